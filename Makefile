@@ -1,0 +1,33 @@
+# Every command in README.md is one of these targets. `make help` lists them.
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO_OUT ?= runs/mnist-demo
+
+.PHONY: help venv demo demo-ddp test stress clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(BIN)/.installed: requirements.txt
+	python3 -m venv $(VENV)
+	$(BIN)/pip install --quiet -r requirements.txt
+	touch $@
+
+venv: $(BIN)/.installed  ## create .venv from requirements.txt (done by the other targets when missing)
+
+demo: $(BIN)/.installed  ## train MNIST on the shipped 4000-digit sample, on the CPU
+	$(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/mnist.py \
+		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)
+
+demo-ddp: $(BIN)/.installed  ## the same with 2 processes (2 GPUs, or 2 CPU processes over gloo)
+	$(BIN)/accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py \
+		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)-ddp
+
+test: $(BIN)/.installed  ## run the test suite (real 1- and 2-process launches on tiny data)
+	$(BIN)/python -m pytest -q tests
+
+stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean exits
+	$(BIN)/python scripts/stress_exit.py --runs 20
+
+clean:  ## remove runs/ and caches (keeps .venv)
+	rm -rf runs .pytest_cache

@@ -1,0 +1,89 @@
+"""Loading a dataset by hub name or local folder, with one-line errors.
+
+    splits = load_splits("ylecun/mnist", ["train", "test"], columns=["image", "label"])
+    splits = load_splits("data/mnist_sample", ["train", "test"], columns=["image", "label"])
+
+A local folder is read by `datasets.load_dataset` itself: parquet files named
+train*/test*, or the imagefolder layout train/<label>/*.png. A hub name is
+downloaded once into the Hugging Face cache. Without internet the cache is used
+if it holds the dataset, and otherwise the run stops at once with a message
+saying how to point `--dataset` at local data (instead of ~25 s of retries).
+"""
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+from common.config import UserError
+
+
+class DataError(UserError):
+    """The data does not match what the recipe needs. One line: the problem and the fix."""
+
+
+def _looks_like_path(name):
+    return name.startswith((".", "/", "~")) or name.endswith((".parquet", ".csv", ".json"))
+
+
+def _hub_reachable(timeout_s=3.0):
+    """A cheap check for internet access: can we open a TCP connection to the hub?"""
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_splits(name, splits, columns):
+    """Return {split: datasets.Dataset} for `splits`, each with the given `columns`."""
+    local = Path(name).expanduser()
+    if local.exists():
+        source = str(local)
+    elif _looks_like_path(name):
+        raise DataError(f"dataset path {name} does not exist: check --dataset")
+    else:
+        source = name
+        if not _hub_reachable():
+            # Read when huggingface_hub is first imported (below): then only the local cache is
+            # used, and a dataset missing from it fails at once instead of after retries.
+            os.environ["HF_HUB_OFFLINE"] = "1"
+
+    import datasets
+    import huggingface_hub
+
+    datasets.logging.set_verbosity_error()
+    huggingface_hub.utils.logging.set_verbosity_error()  # "Repo card metadata block was not found"
+    datasets.disable_progress_bars()
+    try:
+        loaded = datasets.load_dataset(source)
+    except (ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:
+        if local.exists():
+            raise DataError(f"could not read dataset folder {name}: {e}") from None
+        raise DataError(
+            f"could not load {name!r} from the Hugging Face Hub ({type(e).__name__}; no internet?): "
+            f"point --dataset at a local folder holding train/test parquet files with columns "
+            f"{' and '.join(columns)}, or an imagefolder train/<label>/*.png + test/<label>/*.png"
+        ) from None
+    except (FileNotFoundError, ValueError) as e:  # no data files, unknown format, empty folder
+        raise DataError(f"could not read dataset {name}: {str(e).splitlines()[0]}") from None
+
+    out = {}
+    for split in splits:
+        if split not in loaded:
+            raise DataError(
+                f"dataset {name} has no {split!r} split (it has {', '.join(loaded)}): "
+                f"name the files {split}*.parquet or the folder {split}/"
+            )
+        ds = loaded[split]
+        missing = [c for c in columns if c not in ds.column_names]
+        if missing:
+            raise DataError(
+                f"dataset {name} split {split!r} has no column {missing[0]!r} (it has "
+                f"{', '.join(ds.column_names)}): set the column name in the config"
+            )
+        if len(ds) == 0:
+            raise DataError(f"dataset {name} split {split!r} is empty")
+        out[split] = ds
+    return out

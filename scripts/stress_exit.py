@@ -1,0 +1,61 @@
+"""Run the 2-process smoke run many times in a row and count clean exits.
+
+    python scripts/stress_exit.py --runs 20                       # accelerate launch
+    python scripts/stress_exit.py --runs 20 --launcher torchrun
+    python scripts/stress_exit.py --runs 20 --recipe recipes/unet.py --dataset data/shapes
+
+A clean exit is status 0 with no "terminate called" abort at interpreter shutdown: gloo's
+threads dying because the DDP model or a prepared loader outlived the process group.
+Not part of `make test`: 20 runs take a few minutes.
+"""
+
+import argparse
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--launcher", choices=["accelerate", "torchrun"], default="accelerate")
+    p.add_argument("--recipe", default="recipes/mnist.py")
+    p.add_argument("--dataset", default="data/mnist_sample")
+    p.add_argument("--num_workers", type=int, default=0)
+    args = p.parse_args()
+
+    clean = 0
+    for i in range(1, args.runs + 1):
+        if args.launcher == "accelerate":
+            cmd = [BIN / "accelerate", "launch", "--config_file", "accelerate_configs/2gpu.yaml",
+                   "--main_process_port", str(free_port())]
+        else:
+            cmd = [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())]
+        cmd += [args.recipe, "--dataset", args.dataset, "--smoke", "--num_workers", str(args.num_workers),
+                "--output_dir", f"/tmp/stress_exit/{i}"]
+        start = time.perf_counter()
+        proc = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True, timeout=600)
+        out = proc.stdout + proc.stderr
+        ok = proc.returncode == 0 and "terminate called" not in out
+        clean += ok
+        print(f"run {i}: exit {proc.returncode}, {'clean' if ok else 'NOT CLEAN'}, {time.perf_counter() - start:.1f}s",
+              flush=True)
+        if not ok:
+            print(out[-3000:])
+    print(f"{clean}/{args.runs} clean exits ({args.launcher}, {args.recipe}, num_workers {args.num_workers})")
+    sys.exit(0 if clean == args.runs else 1)
+
+
+if __name__ == "__main__":
+    main()

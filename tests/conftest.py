@@ -1,0 +1,113 @@
+"""Shared test fixtures: tiny real-digit datasets on disk, and a launcher that runs the
+recipes exactly as users do (python, accelerate launch, torchrun) in a subprocess."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SAMPLE = REPO / "data" / "mnist_sample"
+N_TRAIN, N_TEST = 256, 1001  # 1001: not a multiple of 2 processes x any batch size used here
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Result:
+    def __init__(self, proc, out):
+        self.returncode, self.output = proc.returncode, out
+
+    def __repr__(self):
+        return f"exit {self.returncode}\n{self.output[-4000:]}"
+
+
+def launch(script_args, nproc=1, launcher="accelerate", config=None, env=None, timeout=300):
+    """Run a recipe the way a user would; return its exit code and combined output."""
+    script_args = [str(a) for a in script_args]
+    if launcher == "python":
+        assert nproc == 1
+        cmd = [sys.executable, *script_args]
+    elif launcher == "accelerate":
+        config = config or ("cpu.yaml" if nproc == 1 else "2gpu.yaml")
+        cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / config,
+               "--num_processes", nproc, "--main_process_port", free_port(), *script_args]
+    elif launcher == "torchrun":
+        cmd = [BIN / "torchrun", "--nproc_per_node", nproc, "--master_port", free_port(), *script_args]
+    else:
+        raise ValueError(launcher)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-4000:]}")
+    return Result(proc, out)
+
+
+def assert_ok(res):
+    """Exit 0 and no abort at interpreter shutdown (the gloo 'terminate called' crash)."""
+    assert res.returncode == 0, res
+    assert "terminate called" not in res.output, res
+    assert "Traceback" not in res.output, res
+
+
+def read_metrics(out_dir):
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _write_split(path, images, labels):
+    import datasets
+    from PIL import Image
+
+    features = datasets.Features({"image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=[str(i) for i in range(10)])})
+    ds = datasets.Dataset.from_dict(
+        {"image": [Image.fromarray(im) for im in images], "label": [int(y) for y in labels]}, features=features)
+    ds.to_parquet(str(path))
+
+
+def encode_id(images):
+    """Write each image's row number into two corner pixels (always 0 in MNIST)."""
+    ids = np.arange(len(images))
+    images[:, 0, 0], images[:, 0, 1] = ids % 256, ids // 256
+    return images
+
+
+def decode_id(images):
+    images = np.asarray(images).reshape(len(images), 28, 28).astype(np.int64)
+    return images[:, 0, 0] + 256 * images[:, 0, 1]
+
+
+@pytest.fixture(scope="session")
+def tiny_mnist(tmp_path_factory):
+    """Real digits from the shipped sample: 256 train and 1001 test, ids encoded in two pixels."""
+    import datasets
+
+    src = datasets.load_dataset(str(SAMPLE))["train"]
+    images = np.stack([np.asarray(im) for im in src["image"][: N_TRAIN + N_TEST]])
+    labels = np.asarray(src["label"][: N_TRAIN + N_TEST])
+    root = tmp_path_factory.mktemp("tiny_mnist")
+    _write_split(root / "train.parquet", encode_id(images[:N_TRAIN].copy()), labels[:N_TRAIN])
+    _write_split(root / "test.parquet", encode_id(images[N_TRAIN:].copy()), labels[N_TRAIN:])
+    return root
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _hf_cache(tmp_path_factory):
+    """Keep the tests' datasets cache out of the user's home, and never reach for the network."""
+    os.environ["HF_HOME"] = str(tmp_path_factory.mktemp("hf_home"))
+    os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"  # closed port: hub access fails at once

@@ -1,0 +1,38 @@
+"""Launched by test_mnist.py with 2 processes: which training samples does each rank get?
+
+It builds the loaders with the recipe's own make_loaders() and build_accelerator(), prepares
+them as the recipe does, and writes the sample ids (encoded in two pixels) seen per epoch.
+"""
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.config import parse_config  # noqa: E402
+from common.runtime import build_accelerator, close  # noqa: E402
+
+spec = importlib.util.spec_from_file_location("mnist_recipe", REPO / "recipes" / "mnist.py")
+mnist = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mnist)
+
+cfg = parse_config(mnist.Config)
+accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed)
+train_loader, _ = mnist.make_loaders(cfg)
+train_loader = accelerator.prepare(train_loader)
+seen = {}
+for epoch in (1, 2):
+    train_loader.set_epoch(epoch)
+    ids = []
+    for x, _ in train_loader:
+        x = x.cpu().long()
+        ids += (x[:, 0, 0, 0] + 256 * x[:, 0, 0, 1]).tolist()
+    seen[epoch] = ids
+out = Path(os.environ["PROBE_OUT"])
+(out / f"rank{accelerator.process_index}.json").write_text(json.dumps(seen))
+del train_loader
+close(accelerator)

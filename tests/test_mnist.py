@@ -1,0 +1,113 @@
+"""The MNIST recipe, launched as users launch it, on tiny real-digit data."""
+
+import json
+import shutil
+import uuid
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from conftest import N_TEST, N_TRAIN, REPO, assert_ok, launch, read_metrics
+
+RECIPE = "recipes/mnist.py"
+REQUIRED = {"epoch", "step", "world_size", "train_loss", "eval_samples", "accuracy", "train_samples_per_s"}
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_mnist, tmp_path_factory):
+    """One single-process `python recipes/mnist.py` run; later tests evaluate its weights."""
+    out = tmp_path_factory.mktemp("mnist_1p")
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, "--epochs", 2,
+                  "--batch_size", 32, "--eval_batch_size", 64], launcher="python")
+    assert_ok(res)
+    return out, res
+
+
+def test_single_process_writes_the_output_contract(trained):
+    out, res = trained
+    rows = read_metrics(out)
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert REQUIRED <= rows[-1].keys()
+    assert rows[-1]["world_size"] == 1
+    assert rows[-1]["eval_samples"] == N_TEST
+    assert rows[-1]["step"] == 2 * N_TRAIN // 32
+    assert 0.0 <= rows[-1]["accuracy"] <= 1.0
+    assert yaml.safe_load((out / "config.yaml").read_text())["batch_size"] == 32
+    weights = load_file(out / "model.safetensors")
+    assert "fc2.weight" in weights and not any(k.startswith("module.") for k in weights)
+    assert f"outputs in {out}/" in res.output
+
+
+def test_two_process_ddp_exact_eval_count(tiny_mnist, tmp_path):
+    # 1001 test samples over 2 processes x batch 64: the last batch is padded with duplicates,
+    # and every one of them must be dropped from the count.
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--smoke",
+                  "--batch_size", 16, "--eval_batch_size", 64], nproc=2)
+    assert_ok(res)
+    assert "2 process(es) on cpu, gloo" in res.output
+    (row,) = read_metrics(tmp_path)
+    assert row["world_size"] == 2 and row["eval_samples"] == N_TEST and row["step"] == 5
+
+
+def test_eval_is_identical_on_one_and_two_processes(trained, tiny_mnist, tmp_path):
+    weights = trained[0] / "model.safetensors"
+    results = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"eval{nproc}"
+        res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out,
+                      "--eval_only", "--weights", weights, "--eval_batch_size", 64], nproc=nproc)
+        assert_ok(res)
+        (results[nproc],) = read_metrics(out)
+    assert results[1]["eval_samples"] == results[2]["eval_samples"] == N_TEST
+    assert results[1]["accuracy"] == results[2]["accuracy"]
+    assert results[1]["accuracy"] == read_metrics(trained[0])[-1]["accuracy"]
+    assert results[1]["eval_loss"] == pytest.approx(results[2]["eval_loss"], rel=1e-5)
+
+
+def test_shards_are_disjoint_and_reshuffled_from_the_seed(tiny_mnist, tmp_path):
+    def probe(seed):
+        out = tmp_path / f"seed{seed}-{uuid.uuid4().hex[:6]}"
+        out.mkdir()
+        res = launch(["tests/shard_probe.py", "--dataset", tiny_mnist, "--batch_size", 16, "--seed", seed],
+                     nproc=2, env={"PROBE_OUT": str(out)})
+        assert_ok(res)
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+    first, again, other = probe(1), probe(1), probe(2)
+    for epoch in ("1", "2"):
+        rank0, rank1 = first[0][epoch], first[1][epoch]
+        assert len(rank0) == len(rank1) == N_TRAIN // 2
+        assert not set(rank0) & set(rank1)
+        assert set(rank0) | set(rank1) == set(range(N_TRAIN))
+    assert first[0]["1"] != first[0]["2"], "the order must change every epoch"
+    assert first == again, "the same seed must give the same order"
+    assert first[0]["1"] != other[0]["1"], "another seed must give another order"
+
+
+def test_torchrun_runs_real_ddp(tiny_mnist, tmp_path):
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--smoke",
+                  "--eval_batch_size", 64], nproc=2, launcher="torchrun")
+    assert_ok(res)
+    (row,) = read_metrics(tmp_path)
+    assert row["world_size"] == 2 and row["eval_samples"] == N_TEST
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tiny_mnist, tmp_path):
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--epochs", 1,
+                  "--batch_size", 32, "--gradient_accumulation_steps", 2], launcher="python")
+    assert_ok(res)
+    assert "batch 32 per process = 64 per optimizer step" in res.output
+    (row,) = read_metrics(tmp_path)
+    assert row["step"] == N_TRAIN // 64
+
+
+def test_a_copy_of_the_recipe_is_a_working_template(tiny_mnist, tmp_path):
+    copy = REPO / "recipes" / f"my_recipe_{uuid.uuid4().hex[:8]}.py"
+    shutil.copy(REPO / RECIPE, copy)
+    try:
+        res = launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--smoke"], nproc=2)
+    finally:
+        copy.unlink()
+    assert_ok(res)
+    assert read_metrics(tmp_path)[0]["eval_samples"] == N_TEST
