@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from common.checkpoint import load_weights, save_weights
 from common.config import require, save_config
 from common.data import DataError, load_splits
-from common.metrics import MetricsLog, RunningMean, Throughput
+from common.metrics import MetricsLog, RunningMean, Throughput, peak_memory_mb
 from common.runtime import build_accelerator, close, describe, run
 
 
@@ -125,7 +125,7 @@ def normalize(x):
 def train_one_epoch(model, loader, optimizer, accelerator, cfg, epoch):
     """One pass over this process's shard: mean loss over all ranks, global samples/s, optimizer steps."""
     model.train()
-    loss_mean, speed, steps = RunningMean(accelerator.device), Throughput(), 0
+    loss_mean, speed, steps, skipped = RunningMean(accelerator.device), Throughput(), 0, 0
     for x, y in tqdm(loader, f"epoch {epoch}", disable=not accelerator.is_main_process, leave=False):
         with accelerator.accumulate(model):
             loss = F.cross_entropy(model(normalize(x)), y)
@@ -133,6 +133,7 @@ def train_one_epoch(model, loader, optimizer, accelerator, cfg, epoch):
             optimizer.step()
             optimizer.zero_grad()
         steps += accelerator.sync_gradients
+        skipped += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
         loss_mean.update(loss.detach(), len(y))
         speed.update(len(y))
         if cfg.smoke and steps >= cfg.smoke_steps:
@@ -141,6 +142,8 @@ def train_one_epoch(model, loader, optimizer, accelerator, cfg, epoch):
         "train_loss": loss_mean.compute(accelerator),
         "train_samples_per_s": speed.compute(accelerator.num_processes),
         "steps": steps,
+        "skipped_steps": skipped,
+        "peak_memory_mb": peak_memory_mb(accelerator.device),
     }
 
 
