@@ -1,10 +1,28 @@
-"""Model weights in and out: safetensors of the plain module, never pickled code.
+"""Checkpoints and weights: atomic writes, exact resume, and no pickled code on load.
+
+Training state (for resuming):
+
+    save_checkpoint(accelerator, out / "checkpoints", step, {"epoch": 2, "batches_done": 17, ...}, keep=3)
+    path = find_checkpoint("latest", out / "checkpoints")
+    trainer_state = load_checkpoint(accelerator, path, recipe="mnist")
+
+A checkpoint is a folder `step-00000123/` holding Accelerate's save_state (model, optimizer,
+prepared schedulers, grad scaler, the RNG state of every rank) and `trainer_state.json`
+(epoch, batches done in that epoch, anything else the recipe needs to continue exactly).
+It is written under a temporary name and renamed when complete, so a run killed while
+writing leaves the previous checkpoints intact.
+
+Weights (for inference and fine-tuning):
 
     save_weights(accelerator, model, out / "model.safetensors", {"recipe": "mnist"})
     load_weights(model, "model.safetensors")      # also a DDP-era .pt with 'module.' keys
 """
 
+import json
 import os
+import pickle
+import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -58,3 +76,80 @@ def load_weights(model, path):
             f"weights in {path} do not fit this model ({first[0] if first else 'shape mismatch'}): "
             f"were they saved by another recipe or with other model settings?"
         ) from None
+
+
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+def list_checkpoints(root):
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "trainer_state.json").is_file()]
+    return sorted(done, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
+    """Write the full training state as root/step-NNNNNNNN, atomically; keep the newest `keep`.
+
+    Every rank must call it (each saves its own RNG state); only the main process renames
+    and deletes, and everyone waits until the checkpoint is complete before going on.
+    """
+    root = Path(root)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-{final.name}"
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left over by a run killed while writing
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # atomic: readers see the old checkpoints or the complete new one
+        for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def find_checkpoint(resume, root):
+    """`resume` is "latest" (the newest checkpoint under root, or None) or a checkpoint folder."""
+    if resume == "latest":
+        found = list_checkpoints(root)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise UserError(f"resume checkpoint {path} not found: pass --resume latest or a folder under {root}")
+    return path
+
+
+def load_checkpoint(accelerator, path, recipe):
+    """Restore what save_checkpoint wrote into the prepared objects; return trainer_state."""
+    path = Path(path)
+    state_file = path / "trainer_state.json"
+    if not state_file.is_file():
+        raise UserError(f"{path} is not a complete checkpoint (no trainer_state.json): pass another --resume")
+    try:
+        state = json.loads(state_file.read_text())
+    except json.JSONDecodeError:
+        raise UserError(f"{state_file} is corrupt: resume from an earlier checkpoint") from None
+    if state.get("recipe") != recipe:
+        raise UserError(f"checkpoint {path} was written by the {state.get('recipe')} recipe, not {recipe}")
+    if state.get("batches_done") and state.get("world_size") != accelerator.num_processes:
+        raise UserError(
+            f"checkpoint {path} was written mid-epoch by {state.get('world_size')} processes: resume it with "
+            f"{state.get('world_size')} processes, or from a checkpoint written at the end of an epoch"
+        )
+    try:
+        accelerator.load_state(path)  # tensors via safetensors / torch.load(weights_only=True)
+    except (RuntimeError, OSError, ValueError, KeyError, SafetensorError, EOFError, pickle.UnpicklingError) as e:
+        first = [line.strip() for line in str(e).splitlines() if line.strip()][:1]
+        raise UserError(
+            f"cannot load checkpoint {path} ({first[0][:200] if first else type(e).__name__}): it is truncated "
+            f"or was saved with other model settings; resume from another checkpoint"
+        ) from None
+    return state

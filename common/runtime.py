@@ -13,6 +13,7 @@
 import datetime
 import gc
 import os
+import signal
 import sys
 
 import torch
@@ -34,6 +35,8 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cpu_ddp = world_size > 1 and not torch.cuda.is_available()
+    if elastic_restart():
+        _init_process_group_after_restart(cpu_ddp, timeout_s)
     accelerator = Accelerator(
         cpu=cpu_ddp,
         gradient_accumulation_steps=gradient_accumulation_steps,
@@ -48,6 +51,21 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
             f"each would train alone. Check the accelerate config (distributed_type, num_processes)"
         )
     return accelerator
+
+
+def _init_process_group_after_restart(cpu, timeout_s):
+    """After torchrun restarts its workers (--max-restarts), `init_process_group()` reads the
+    previous attempt's addresses from the agent's store and fails to connect. Give every
+    attempt its own key prefix; Accelerate then uses this process group as it is."""
+    import torch.distributed as dist
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    dist.init_process_group(
+        "gloo" if cpu else "nccl", store=dist.PrefixStore(f"attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+    )
 
 
 def describe(accelerator, batch_size):
@@ -81,8 +99,58 @@ def _rank():
     return int(os.environ.get("RANK", "0"))
 
 
+class _StopRequest:
+    """Once training runs, Ctrl-C or SIGTERM sets a flag instead of killing the process
+    mid-step; a second Ctrl-C interrupts at once. Before that (start-up) they act as usual.
+
+    Under torchrun or accelerate launch, Ctrl-C reaches every worker and the launcher, which
+    then sends SIGTERM as well: that one only confirms the stop."""
+
+    def __init__(self):
+        self.requested = False
+        self.installed = False
+        self.interrupted = False
+
+    def install(self):
+        if not self.installed:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, self._handle)
+            self.installed = True
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT:
+            if self.interrupted:
+                raise KeyboardInterrupt
+            self.interrupted = True
+        self.requested = True
+
+
+_stop = _StopRequest()
+
+
+def stop_requested(accelerator, step, every=10):
+    """True on every rank once any rank got Ctrl-C or SIGTERM, checked every `every` steps.
+
+    Call it on all ranks after every optimizer step (it is a collective on those steps);
+    when it says True, save a checkpoint and leave the loop. The first call installs the
+    signal handlers."""
+    _stop.install()
+    if step % every:
+        return False
+    flag = torch.tensor(float(_stop.requested), device=accelerator.device)
+    return accelerator.reduce(flag, "max").item() > 0
+
+
+def elastic_restart():
+    """True when torchrun restarted the workers after a failure (--max-restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
 def run(main, config_class, argv=None):
     """Parse the config, call main(cfg), and turn user errors into one line and exit status 2.
+
+    Ctrl-C and SIGTERM only set a flag that the training loop polls (`stop_requested`), so
+    the recipe can write a checkpoint and exit cleanly on every rank (status 130).
 
     A UserError (bad config, bad data) is expected on every rank, so only rank 0 prints it.
     `--debug` shows the full traceback instead. Other exceptions keep their traceback.
@@ -97,7 +165,7 @@ def run(main, config_class, argv=None):
             print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
     else:
-        code = 0
+        code = 130 if _stop.requested else 0  # 128 + SIGINT: stopped early, but cleanly
     finally:
         # On the error path the traceback keeps main's locals (the DDP model) alive: drop them
         # before the process group goes, for the same reason as in close().

@@ -24,11 +24,11 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
-from common.checkpoint import load_weights, save_weights
-from common.config import require, save_config
+from common.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint, load_weights, save_checkpoint, save_weights
+from common.config import UserError, require, save_config
 from common.data import DataError, load_splits
 from common.metrics import MetricsLog, RunningMean, Throughput, peak_memory_mb
-from common.runtime import build_accelerator, close, describe, run
+from common.runtime import build_accelerator, close, describe, elastic_restart, run, stop_requested
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Config:
     label_column: str = "label"  # column holding class indices 0..9
     train_split: str = "train"
     test_split: str = "test"
-    output_dir: str = "runs/mnist"  # config.yaml, metrics.jsonl and model.safetensors go here
+    output_dir: str = "runs/mnist"  # config.yaml, metrics.jsonl, model.safetensors, best.safetensors, checkpoints/
     # Training. Defaults follow pytorch/examples mnist/main.py (~99% test accuracy after 14 epochs).
     epochs: int = 14
     batch_size: int = 64  # per process: the global batch is this x processes x accumulation steps
@@ -49,10 +49,15 @@ class Config:
     gradient_accumulation_steps: int = 1  # optimizer step every N batches
     seed: int = 1  # model init and data order; same seed, same run
     num_workers: int = 0  # DataLoader workers per process; the data is already decoded in memory
+    max_steps: int = 0  # stop after this many optimizer steps (0: train all epochs)
+    # Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume.
+    checkpoint_every_steps: int = 0  # also write one every N optimizer steps (0: only at epoch ends)
+    keep_checkpoints: int = 3  # delete older ones
+    resume: Optional[str] = None  # "latest" or a checkpoint folder; torchrun restarts resume from latest
     # Modes.
     smoke: bool = False  # train smoke_steps steps of one epoch, then evaluate: for tests and CI
     smoke_steps: int = 5
-    eval_only: bool = False  # evaluate `weights` on the test split and stop
+    eval_only: bool = False  # evaluate `weights` (or the `resume` checkpoint) on the test split and stop
     weights: Optional[str] = None  # model.safetensors (or a state_dict .pt) to start from
     dist_timeout_s: int = 600  # a rank stuck this long in a collective stops the job
     debug: bool = False  # show full tracebacks for user errors
@@ -65,7 +70,10 @@ class Config:
         require(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be at least 1")
         require(self.num_workers >= 0, f"num_workers cannot be negative, got {self.num_workers}")
         require(self.smoke_steps >= 1, f"smoke_steps must be at least 1, got {self.smoke_steps}")
-        require(not self.eval_only or self.weights, "eval_only needs weights: add --weights PATH/model.safetensors")
+        require(self.max_steps >= 0 and self.checkpoint_every_steps >= 0, "max_steps and checkpoint_every_steps cannot be negative")
+        require(self.keep_checkpoints >= 1, f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
+        require(not (self.weights and self.resume), "weights and resume both load a model: pass one of them")
+        require(not self.eval_only or self.weights or self.resume, "eval_only needs --weights FILE or --resume CHECKPOINT")
 
 
 # ADAPT: your model. This is the BasicNet of the PyTorch examples, so results compare.
@@ -113,8 +121,13 @@ def make_loaders(cfg):
     splits = load_splits(cfg.dataset, [cfg.train_split, cfg.test_split], [cfg.image_column, cfg.label_column])
     train_set = to_tensors(splits[cfg.train_split], cfg, cfg.train_split)
     test_set = to_tensors(splits[cfg.test_split], cfg, cfg.test_split)
-    train_loader = DataLoader(train_set, cfg.batch_size, shuffle=True, num_workers=cfg.num_workers)
-    test_loader = DataLoader(test_set, cfg.eval_batch_size, num_workers=cfg.num_workers)
+    # Each loader gets its own generator: starting an epoch then draws from it rather than from
+    # the global RNG that dropout uses, so a resumed run sees the same dropout masks as an
+    # uninterrupted one (an extra draw at resume would shift them all).
+    train_loader = DataLoader(train_set, cfg.batch_size, shuffle=True, num_workers=cfg.num_workers,
+                              generator=torch.Generator().manual_seed(cfg.seed))
+    test_loader = DataLoader(test_set, cfg.eval_batch_size, num_workers=cfg.num_workers,
+                             generator=torch.Generator().manual_seed(cfg.seed))
     return train_loader, test_loader
 
 
@@ -122,29 +135,46 @@ def normalize(x):
     return (x.float() / 255 - MEAN) / STD
 
 
-def train_one_epoch(model, loader, optimizer, accelerator, cfg, epoch):
-    """One pass over this process's shard: mean loss over all ranks, global samples/s, optimizer steps."""
+def save(accelerator, cfg, progress, scheduler):
+    """A checkpoint: Accelerate's state plus where we are in the data and the LR schedule."""
+    state = {"recipe": "mnist", "world_size": accelerator.num_processes, **progress, "scheduler": scheduler.state_dict()}
+    return save_checkpoint(accelerator, Path(cfg.output_dir) / "checkpoints", progress["step"], state,
+                           cfg.keep_checkpoints)
+
+
+def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress):
+    """One pass over this process's shard (or what is left of it after a resume).
+
+    `progress` (epoch, batches_done, step) is updated in place. Returns the epoch's metrics and
+    whether to stop: max_steps reached, or Ctrl-C / SIGTERM (a checkpoint is written first).
+    """
     model.train()
-    loss_mean, speed, steps, skipped = RunningMean(accelerator.device), Throughput(), 0, 0
-    for x, y in tqdm(loader, f"epoch {epoch}", disable=not accelerator.is_main_process, leave=False):
+    loss_mean, speed, skipped, stop = RunningMean(accelerator.device), Throughput(), 0, False
+    max_steps = cfg.smoke_steps if cfg.smoke else cfg.max_steps
+    for x, y in tqdm(loader, f"epoch {progress['epoch']}", disable=not accelerator.is_main_process, leave=False):
         with accelerator.accumulate(model):
             loss = F.cross_entropy(model(normalize(x)), y)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-        steps += accelerator.sync_gradients
-        skipped += accelerator.sync_gradients and accelerator.optimizer_step_was_skipped  # fp16 overflow
+        progress["batches_done"] += 1
         loss_mean.update(loss.detach(), len(y))
         speed.update(len(y))
-        if cfg.smoke and steps >= cfg.smoke_steps:
+        if not accelerator.sync_gradients:  # still accumulating
+            continue
+        progress["step"] += 1
+        skipped += accelerator.optimizer_step_was_skipped  # fp16: the scaler skipped an overflowing step
+        stop = stop_requested(accelerator, progress["step"]) or progress["step"] == max_steps
+        if stop or (cfg.checkpoint_every_steps and progress["step"] % cfg.checkpoint_every_steps == 0):
+            save(accelerator, cfg, progress, scheduler)
+        if stop:
             break
     return {
         "train_loss": loss_mean.compute(accelerator),
         "train_samples_per_s": speed.compute(accelerator.num_processes),
-        "steps": steps,
         "skipped_steps": skipped,
         "peak_memory_mb": peak_memory_mb(accelerator.device),
-    }
+    }, stop
 
 
 @torch.inference_mode()
@@ -172,6 +202,9 @@ def main(cfg):
     set_seed(cfg.seed)
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    resume = "latest" if elastic_restart() and not cfg.resume else cfg.resume
+    if not resume and not cfg.eval_only and list_checkpoints(out / "checkpoints"):
+        raise UserError(f"{out} holds checkpoints of an earlier run: add --resume latest, or pick another --output_dir")
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
     metrics = MetricsLog(out / "metrics.jsonl", accelerator.is_main_process)
@@ -193,31 +226,60 @@ def main(cfg):
         f"{len(train_loader.dataset)} train / {len(test_loader.dataset)} test samples"
     )
 
-    # 4. Train, evaluating after every epoch.
-    if cfg.eval_only:
-        result = evaluate(model, test_loader, accelerator)
-        metrics.write(epoch=None, step=0, world_size=accelerator.num_processes, weights=cfg.weights, **result)
-    else:
-        step = 0
-        epochs = 1 if cfg.smoke else cfg.epochs
-        for epoch in range(1, epochs + 1):
-            train_loader.set_epoch(epoch)  # a new order every epoch, the same on every rank
-            lr = scheduler.get_last_lr()[0]
-            train = train_one_epoch(model, train_loader, optimizer, accelerator, cfg, epoch)
-            step += train.pop("steps")
-            scheduler.step()
-            result = evaluate(model, test_loader, accelerator)
-            metrics.write(epoch=epoch, step=step, world_size=accelerator.num_processes, lr=lr, **train, **result)
-            accelerator.print(
-                f"epoch {epoch}: train loss {train['train_loss']:.4f}, test accuracy {result['accuracy']:.4f} "
-                f"({result['eval_samples']} samples), {train['train_samples_per_s']:.0f} samples/s"
-            )
-        save_weights(accelerator, model, out / "model.safetensors", {"recipe": "mnist"})
+    # 4. Resume: weights, optimizer, RNG of every rank, LR schedule, and the position in the data.
+    progress = {"epoch": 1, "batches_done": 0, "step": 0, "best_accuracy": -1.0}
+    checkpoint = find_checkpoint(resume, out / "checkpoints") if resume else None
+    if checkpoint:
+        state = load_checkpoint(accelerator, checkpoint, recipe="mnist")
+        scheduler.load_state_dict(state["scheduler"])
+        progress = {k: state[k] for k in progress}
+        accelerator.print(f"resumed from {checkpoint} (epoch {progress['epoch']}, step {progress['step']})")
 
-    accelerator.print(
-        f"test accuracy {result['accuracy']:.4f} on {result['eval_samples']} samples; outputs in {out}/"
-    )
-    # 5. Exit cleanly: drop what holds the process group, then close it.
+    # 5. Train, evaluating after every epoch.
+    epochs = 1 if cfg.smoke else cfg.epochs
+    result, interrupted = None, False
+    while not cfg.eval_only and progress["epoch"] <= epochs:
+        epoch = progress["epoch"]
+        train_loader.set_epoch(epoch)  # a new order every epoch, the same on every rank
+        loader = train_loader
+        if progress["batches_done"]:  # resumed mid-epoch: skip what this epoch already trained on
+            loader = accelerator.skip_first_batches(train_loader, progress["batches_done"])
+        lr = scheduler.get_last_lr()[0]
+        train, stop = train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress)
+        interrupted = stop and stop_requested(accelerator, 0)
+        if interrupted:
+            break
+        result = evaluate(model, test_loader, accelerator)
+        if not stop:  # the epoch is complete
+            scheduler.step()
+            progress.update(epoch=epoch + 1, batches_done=0)
+            if result["accuracy"] > progress["best_accuracy"]:
+                progress["best_accuracy"] = result["accuracy"]
+                save_weights(accelerator, model, out / "best.safetensors", {"recipe": "mnist", "epoch": epoch, **result})
+            save(accelerator, cfg, progress, scheduler)
+        metrics.write(epoch=epoch, step=progress["step"], world_size=accelerator.num_processes, lr=lr,
+                      **train, **result)
+        accelerator.print(
+            f"epoch {epoch}: train loss {train['train_loss']:.4f}, test accuracy {result['accuracy']:.4f} "
+            f"({result['eval_samples']} samples), {train['train_samples_per_s']:.0f} samples/s"
+        )
+        if stop:  # max_steps reached
+            break
+
+    if interrupted:
+        accelerator.print(f"stopped at step {progress['step']}; continue with --resume latest")
+    else:
+        if result is None:  # eval_only, or a resumed run that had nothing left to train
+            result = evaluate(model, test_loader, accelerator)
+            metrics.write(epoch=None, step=progress["step"], world_size=accelerator.num_processes,
+                          weights=str(cfg.weights or checkpoint), **result)
+        if not cfg.eval_only:
+            save_weights(accelerator, model, out / "model.safetensors", {"recipe": "mnist"})
+        accelerator.print(
+            f"test accuracy {result['accuracy']:.4f} on {result['eval_samples']} samples; outputs in {out}/"
+        )
+
+    # 6. Exit cleanly: drop what holds the process group, then close it.
     del model, optimizer, train_loader, test_loader
     close(accelerator)
 

@@ -61,7 +61,7 @@ def test_bad_yaml_is_rejected(tmp_path):
     [
         (["--batch_size", "0"], "batch_size must be at least 1, got 0"),
         (["--lr", "-1"], "lr must be positive, got -1.0"),
-        (["--eval_only"], "eval_only needs weights"),
+        (["--eval_only"], "eval_only needs --weights FILE or --resume CHECKPOINT"),
         (["--bogus", "1"], "unknown setting 'bogus'"),
         (["--dataset", "./no/such/dir"], "dataset path ./no/such/dir does not exist"),
         (["--dataset", "ylecun/mnist"], "point --dataset at a local folder"),

@@ -1,0 +1,176 @@
+"""Checkpoints and resume: exact continuation, atomic writes, restarts and interrupts."""
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import BIN, REPO, N_TEST, assert_ok, free_port, launch, read_metrics
+
+RECIPE = "recipes/mnist.py"
+# 256 train samples, batch 32: 8 optimizer steps per epoch on 1 process, 4 on 2.
+COMMON = ["--epochs", 2, "--batch_size", 32, "--eval_batch_size", 256]
+
+
+def weights(out):
+    return load_file(Path(out) / "model.safetensors")
+
+
+def assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs by {(a[k] - b[k]).abs().max()}"
+
+
+def train(data, out, *args, nproc=1):
+    res = launch([RECIPE, "--dataset", data, "--output_dir", out, *COMMON, *args], nproc=nproc)
+    assert_ok(res)
+    return res
+
+
+def test_stop_and_resume_gives_bit_identical_weights(tiny_mnist, tmp_path):
+    straight, split, from_epoch_end = tmp_path / "straight", tmp_path / "split", tmp_path / "epoch_end"
+    train(tiny_mnist, straight, "--max_steps", 13)
+    train(tiny_mnist, split, "--max_steps", 5)  # stops mid-epoch 1
+    res = train(tiny_mnist, split, "--max_steps", 13, "--resume", "latest")
+    assert "resumed from" in res.output and "(epoch 1, step 5)" in res.output
+    assert_identical(weights(straight), weights(split))
+    # The checkpoint written at the end of epoch 1 (step 8) resumes exactly too.
+    res = train(tiny_mnist, from_epoch_end, "--max_steps", 13, "--resume", split / "checkpoints" / "step-00000008")
+    assert "(epoch 2, step 8)" in res.output
+    assert_identical(weights(straight), weights(from_epoch_end))
+    assert read_metrics(split)[-1]["step"] == read_metrics(straight)[-1]["step"] == 13
+
+
+def test_two_process_resume_is_exact_too(tiny_mnist, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(tiny_mnist, straight, "--max_steps", 7, nproc=2)
+    train(tiny_mnist, split, "--max_steps", 3, nproc=2)  # mid-epoch: each rank skips its own 3 batches
+    train(tiny_mnist, split, "--max_steps", 7, "--resume", "latest", nproc=2)
+    assert_identical(weights(straight), weights(split))
+    assert (split / "checkpoints" / "step-00000003" / "random_states_1.pkl").is_file()
+
+
+def test_keep_last_checkpoints_and_ignore_unfinished_writes(tiny_mnist, tmp_path):
+    train(tiny_mnist, tmp_path, "--max_steps", 6, "--checkpoint_every_steps", 2, "--keep_checkpoints", 2)
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000004", "step-00000006"]
+    # What a run killed while writing step 8 leaves behind: a temporary folder, half written.
+    partial = ckpts / ".tmp-step-00000008"
+    shutil.copytree(ckpts / "step-00000006", partial)
+    (partial / "model.safetensors").write_bytes(b"\0" * 10)
+    res = train(tiny_mnist, tmp_path, "--max_steps", 8, "--resume", "latest")
+    assert "(epoch 1, step 6)" in res.output
+    assert not partial.exists()
+
+
+def test_bad_resume_input_is_one_line_and_deletes_nothing(tiny_mnist, tmp_path):
+    train(tiny_mnist, tmp_path, "--max_steps", 2)
+    ckpt = tmp_path / "checkpoints" / "step-00000002"
+    model_file = ckpt / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:1000])  # truncated
+    cases = [
+        (["--resume", "latest"], f"cannot load checkpoint {ckpt}"),
+        (["--resume", tmp_path / "nope"], "resume checkpoint"),
+        ([], "holds checkpoints of an earlier run: add --resume latest"),
+    ]
+    for args, message in cases:
+        res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON, *args], launcher="python")
+        lines = res.output.strip().splitlines()
+        assert res.returncode == 2 and lines[-1].startswith("error: ") and message in lines[-1], res
+        assert "Traceback" not in res.output
+    assert model_file.stat().st_size == 1000 and (ckpt / "optimizer.bin").is_file()
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_loading_a_checkpoint_never_runs_code(tiny_mnist, tmp_path):
+    train(tiny_mnist, tmp_path, "--max_steps", 2)
+    marker = tmp_path / "pwned"
+    exploit = _Exploit()
+    exploit.marker = marker
+    torch.save({"state": exploit}, tmp_path / "checkpoints" / "step-00000002" / "optimizer.bin")
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON, "--resume", "latest"],
+                 launcher="python")
+    assert res.returncode == 2 and "cannot load checkpoint" in res.output, res
+    assert not marker.exists()
+
+
+def test_old_ddp_checkpoint_with_module_prefix_loads(tiny_mnist, tmp_path):
+    train(tiny_mnist, tmp_path / "run", "--max_steps", 3)
+    state = weights(tmp_path / "run")
+    torch.save({"module." + k: v for k, v in state.items()}, tmp_path / "ddp_era.pt")
+    accuracies = []
+    for w in (tmp_path / "run" / "model.safetensors", tmp_path / "ddp_era.pt"):
+        out = tmp_path / f"eval_{w.stem}"
+        assert_ok(launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, "--eval_only", "--weights", w]))
+        accuracies.append(read_metrics(out)[0]["accuracy"])
+    assert accuracies[0] == accuracies[1]
+
+
+def _wait_for(predicate, proc, timeout=120):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"exited early with {proc.returncode}: {proc.stdout.read()[-3000:]}"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def _start(cmd, out):
+    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_ctrl_c_writes_a_checkpoint_on_every_rank_and_resume_finishes(tiny_mnist, tmp_path):
+    cmd = [BIN / "accelerate", "launch", "--config_file", "accelerate_configs/2gpu.yaml", "--main_process_port",
+           free_port(), RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--epochs", 200,
+           "--batch_size", 32, "--eval_batch_size", 512]
+    proc = _start(cmd, tmp_path)
+    try:
+        _wait_for(lambda: (tmp_path / "metrics.jsonl").exists(), proc)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does: every process gets it
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "stopped at step" in out and "terminate called" not in out, out[-3000:]
+    assert proc.returncode != 0
+    step = int(out.split("stopped at step ")[1].split(";")[0])
+    assert (tmp_path / "checkpoints" / f"step-{step:08d}" / "random_states_1.pkl").is_file()
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--epochs", 3, "--batch_size", 32,
+                  "--eval_batch_size", 512, "--resume", "latest"], nproc=2)
+    assert_ok(res)
+    assert f"step {step})" in res.output
+
+
+def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(tiny_mnist, tmp_path):
+    epochs = 12
+    cmd = [BIN / "torchrun", "--nproc_per_node", 2, "--max-restarts", 1, "--master_port", free_port(), RECIPE,
+           "--dataset", tiny_mnist, "--output_dir", tmp_path, "--epochs", epochs, "--batch_size", 32,
+           "--eval_batch_size", 512]
+    proc = _start(cmd, tmp_path)
+    try:
+        _wait_for(lambda: len(list((tmp_path / "checkpoints").glob("step-*"))) >= 2, proc)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if p.environ().get("RANK") == "1" and "mnist" in " ".join(p.cmdline())]
+        assert len(workers) == 1
+        workers[0].kill()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    assert "resumed from" in out
+    rows = read_metrics(tmp_path)
+    assert rows[-1]["epoch"] == epochs and rows[-1]["step"] == epochs * 4 and rows[-1]["eval_samples"] == N_TEST
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "best.safetensors").is_file()
