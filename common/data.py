@@ -67,7 +67,10 @@ def load_splits(name, splits, columns):
             f"{' and '.join(columns)}, or an imagefolder train/<label>/*.png + test/<label>/*.png"
         ) from None
     except (FileNotFoundError, ValueError) as e:  # no data files, unknown format, empty folder
-        raise DataError(f"could not read dataset {name}: {str(e).splitlines()[0]}") from None
+        first = str(e).splitlines()[0]
+        if "corresponds to no data" in first:  # datasets' words for a split with no rows
+            raise DataError(f"dataset {name} has an empty split ({first}): add samples to it") from None
+        raise DataError(f"could not read dataset {name}: {first}") from None
 
     out = {}
     for split in splits:

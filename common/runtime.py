@@ -16,10 +16,13 @@ import os
 import signal
 import sys
 
+from pathlib import Path
+
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
+from common.checkpoint import list_checkpoints
 from common.config import UserError, parse_config
 
 
@@ -35,6 +38,12 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cpu_ddp = world_size > 1 and not torch.cuda.is_available()
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available() and local_processes > torch.cuda.device_count():
+        raise UserError(
+            f"the launcher starts {local_processes} processes on this machine but only "
+            f"{torch.cuda.device_count()} GPU(s) are visible: set num_processes to the GPU count"
+        )
     if elastic_restart():
         _init_process_group_after_restart(cpu_ddp, timeout_s)
     accelerator = Accelerator(
@@ -93,6 +102,42 @@ def close(accelerator):
     accelerator.free_memory()
     gc.collect()
     accelerator.end_training()
+
+
+def make_output_dir(path):
+    """Create output_dir, or stop with one line if it cannot be written."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"output_dir {path} is not writable ({e.strerror}): choose another --output_dir") from None
+    return path
+
+
+class NonFiniteLoss:
+    """Remembers the first step whose loss was nan or inf, on the device (no sync per step).
+
+        guard.update(loss, step)      # every optimizer step
+        guard.check(accelerator)      # every few steps and before each checkpoint: raises
+    """
+
+    def __init__(self, device):
+        self.first_step = torch.full((), -1, dtype=torch.long, device=device)
+
+    def update(self, loss, step):
+        bad = ~torch.isfinite(loss.detach()) & (self.first_step < 0)
+        self.first_step = torch.where(bad, step, self.first_step)
+
+    def check(self, accelerator, checkpoints_dir):
+        """A collective: call on every rank. Raises UserError on all of them if any saw one."""
+        first = int(accelerator.reduce(self.first_step, "max").item())
+        if first >= 0:
+            found = list_checkpoints(checkpoints_dir)
+            kept = f"; the last good checkpoint is {found[-1]}" if found else ""
+            raise UserError(f"the loss became nan or inf at step {first}{kept}: lower lr, or check the data")
 
 
 def _rank():

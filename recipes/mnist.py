@@ -28,7 +28,9 @@ from common.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint
 from common.config import UserError, require, save_config
 from common.data import DataError, load_splits
 from common.metrics import MetricsLog, RunningMean, Throughput, peak_memory_mb
-from common.runtime import build_accelerator, close, describe, elastic_restart, run, stop_requested
+from common.runtime import (
+    NonFiniteLoss, build_accelerator, close, describe, elastic_restart, make_output_dir, run, stop_requested,
+)
 
 
 @dataclass
@@ -147,9 +149,11 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
 
     `progress` (epoch, batches_done, step) is updated in place. Returns the epoch's metrics and
     whether to stop: max_steps reached, or Ctrl-C / SIGTERM (a checkpoint is written first).
+    A nan or inf loss stops the run before it can be written into a checkpoint.
     """
     model.train()
     loss_mean, speed, skipped, stop = RunningMean(accelerator.device), Throughput(), 0, False
+    nonfinite = NonFiniteLoss(accelerator.device)
     max_steps = cfg.smoke_steps if cfg.smoke else cfg.max_steps
     for x, y in tqdm(loader, f"epoch {progress['epoch']}", disable=not accelerator.is_main_process, leave=False):
         with accelerator.accumulate(model):
@@ -164,8 +168,12 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
             continue
         progress["step"] += 1
         skipped += accelerator.optimizer_step_was_skipped  # fp16: the scaler skipped an overflowing step
+        nonfinite.update(loss, progress["step"])
         stop = stop_requested(accelerator, progress["step"]) or progress["step"] == max_steps
-        if stop or (cfg.checkpoint_every_steps and progress["step"] % cfg.checkpoint_every_steps == 0):
+        checkpoint = cfg.checkpoint_every_steps and progress["step"] % cfg.checkpoint_every_steps == 0
+        if stop or checkpoint or progress["step"] % 10 == 0:
+            nonfinite.check(accelerator, Path(cfg.output_dir) / "checkpoints")
+        if stop or checkpoint:
             save(accelerator, cfg, progress, scheduler)
         if stop:
             break
@@ -200,8 +208,7 @@ def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s)
     set_seed(cfg.seed)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_output_dir(cfg.output_dir)
     resume = "latest" if elastic_restart() and not cfg.resume else cfg.resume
     if not resume and not cfg.eval_only and list_checkpoints(out / "checkpoints"):
         raise UserError(f"{out} holds checkpoints of an earlier run: add --resume latest, or pick another --output_dir")
@@ -209,9 +216,15 @@ def main(cfg):
         save_config(cfg, out / "config.yaml")
     metrics = MetricsLog(out / "metrics.jsonl", accelerator.is_main_process)
 
-    # 2. Data: every process loads it; prepare() below gives each a disjoint shard.
-    with accelerator.main_process_first():  # the main process downloads, the others read its cache
-        train_loader, test_loader = make_loaders(cfg)
+    # 2. Data: every process loads it (the datasets cache is locked, so one download serves all;
+    # bad data then fails the same way on every rank) and prepare() below gives each a shard.
+    train_loader, test_loader = make_loaders(cfg)
+    global_batch = cfg.batch_size * accelerator.num_processes
+    if len(train_loader.dataset) < global_batch:
+        raise DataError(
+            f"the {cfg.train_split} split has {len(train_loader.dataset)} samples, fewer than one global batch "
+            f"({cfg.batch_size} x {accelerator.num_processes} processes): lower batch_size"
+        )
 
     # 3. Model and optimizer.
     model = BasicNet()

@@ -1,0 +1,160 @@
+"""Batches of similar-size samples under a pixel budget, sharded across processes.
+
+    sizes = [(h, w) for each sample]        # or one int cost per sample
+    train_loader = bucket_loader(train_set, sizes, cfg.max_batch_pixels, accelerator, train=True,
+                                 seed=cfg.seed, collate_fn=pad_collate)
+    for epoch in ...:
+        train_loader.set_epoch(epoch)       # as for a prepared loader; resume with
+        ...                                 # accelerator.skip_first_batches(train_loader, batches_done)
+
+Do not pass these loaders to accelerator.prepare(). prepare() wraps any batch sampler in
+BatchSamplerShard and deals its batches out to the ranks again, so an already sharded sampler
+loses half its data per rank; through that wrapper loader.set_epoch() never reaches the
+sampler (the order would never change); and gather_for_metrics cannot find the padding of
+variable-size batches. So BucketBatchSampler shards itself, and bucket_loader() hands the
+DataLoader to Accelerate's prepare_data_loader with num_processes=1, which only adds device
+placement, the end-of-epoch signal for gradient accumulation, set_epoch and skip_first_batches.
+
+Exact evaluation: `bucket_loader(..., train=False)` gives every sample to exactly one rank
+with no padding, so ranks may get different numbers of batches. The evaluation loop must then
+do no collective per batch: run the unwrapped model (`accelerator.unwrap_model(model)`; a DDP
+model may broadcast its buffers in the first forward), add up sums and counts locally, and
+reduce them once after the loop:
+
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+    for x, y in test_loader:
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        totals += torch.stack([loss, (model(x).argmax(1) == y).sum(), torch.tensor(len(y))]).double()
+    loss_sum, correct, samples = accelerator.reduce(totals, "sum").tolist()  # samples: exact
+"""
+
+import numpy as np
+from torch.utils.data import DataLoader, Sampler
+
+
+class BucketBatchSampler(Sampler):
+    """Yields lists of dataset indices: batches of similar-size samples whose padded cost fits
+    `max_batch_pixels`, for one rank of `num_replicas`.
+
+    sizes: one (height, width) per sample, or one int per sample taken as its cost.
+        A batch of (h, w) samples costs len(batch) * max(h) * max(w) (every sample padded to
+        the batch's largest height and width); a batch of ints costs len(batch) * max(size).
+        A single sample that alone costs more than the budget forms a batch of its own.
+    max_batch_size: also at most this many samples per batch (None: no limit).
+
+    Batches are formed by sorting the samples by (area, height), ties in a random order,
+    and filling each batch greedily. Samples of the same size are therefore grouped
+    differently every epoch; when every size is unique the groups repeat and only their order
+    changes, so pass sizes rounded to a few values (e.g. multiples of 32) to mix more. The
+    number of batches depends on the sizes alone: it is the same in every epoch.
+
+    The contract across ranks, for every epoch:
+    - the order is a pure function of (seed, epoch), the same on every rank: the batches are
+      shuffled with a generator seeded from (seed, epoch) and dealt round-robin, batch i of
+      the epoch to rank i % num_replicas. `set_epoch(epoch)` reshuffles, as for
+      DistributedSampler (shuffle=False: sorted by size, the same every epoch).
+    - each sample goes to exactly one rank, and `len(sampler)` is the number of batches this
+      rank yields. What happens when the batch count B is not a multiple of num_replicas:
+      - even_batches=True (training, the default): every rank gets the same number of batches,
+        ceil(B / num_replicas), so no rank waits forever in a collective. The first
+        num_replicas - B % num_replicas batches of this epoch's order are repeated at the end
+        to fill up; only their samples are seen twice, at most num_replicas - 1 batches.
+      - drop_last=True: the last B % num_replicas batches of this epoch's order are dropped
+        (different ones every epoch); equal counts and no repeats.
+      - even_batches=False (exact evaluation): no sample repeats and none is dropped; ranks
+        get B // num_replicas or one batch more. Do no per-batch collective with it.
+    - to resume mid-epoch, call set_epoch(epoch) and skip the batches already done:
+      `accelerator.skip_first_batches(loader, batches_done)` on a bucket_loader, or
+      `itertools.islice(sampler, batches_done, None)`.
+    """
+
+    def __init__(self, sizes, max_batch_pixels, num_replicas=1, rank=0, seed=0, shuffle=True,
+                 drop_last=False, max_batch_size=None, even_batches=True):
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
+        if max_batch_pixels <= 0 or (max_batch_size is not None and max_batch_size < 1):
+            raise ValueError("max_batch_pixels and max_batch_size must be positive")
+        self.heights, self.widths = _parse_sizes(sizes)
+        self.max_batch_pixels, self.max_batch_size = max_batch_pixels, max_batch_size
+        self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
+        self.shuffle, self.drop_last, self.even_batches = shuffle, drop_last, even_batches
+        self.epoch = 0
+        self._cache = None  # (epoch, this rank's batches)
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter([list(batch) for batch in self._rank_batches()])
+
+    def __len__(self):
+        return len(self._rank_batches())
+
+    def _rank_batches(self):
+        if self._cache is None or self._cache[0] != self.epoch:
+            self._cache = (self.epoch, self._shard(self.epoch_batches()))
+        return self._cache[1]
+
+    def epoch_batches(self):
+        """Every batch of the current epoch, for all ranks, before sharding."""
+        rng = np.random.default_rng((self.seed, self.epoch))
+        n = len(self.heights)
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        area = self.heights * self.widths
+        order = order[np.lexsort((self.heights[order], area[order]))]  # stable: ties stay shuffled
+        heights, widths = self.heights.tolist(), self.widths.tolist()
+        batches, batch, max_h, max_w = [], [], 0, 0
+        for i in order.tolist():
+            h, w = max(max_h, heights[i]), max(max_w, widths[i])
+            full = len(batch) == self.max_batch_size or (len(batch) + 1) * h * w > self.max_batch_pixels
+            if batch and full:
+                batches.append(batch)
+                batch, h, w = [], heights[i], widths[i]
+            batch.append(i)
+            max_h, max_w = h, w
+        batches.append(batch)
+        if self.shuffle:
+            batches = [batches[j] for j in rng.permutation(len(batches))]
+        return batches
+
+    def _shard(self, batches):
+        extra = len(batches) % self.num_replicas
+        if extra and self.drop_last:
+            batches = batches[: len(batches) - extra]
+        elif extra and self.even_batches:
+            batches = batches + [batches[j % len(batches)] for j in range(self.num_replicas - extra)]
+        return batches[self.rank :: self.num_replicas]
+
+
+def _parse_sizes(sizes):
+    """(heights, widths) as int64 arrays; an int size s is read as height s, width 1."""
+    if len(sizes) == 0:
+        raise ValueError("sizes is empty: give one size per sample")
+    try:
+        pairs = np.asarray([(s, 1) if np.ndim(s) == 0 else tuple(s) for s in sizes])
+    except ValueError:  # a mix of pairs and longer shapes
+        pairs = np.zeros(0)
+    if pairs.ndim != 2 or pairs.shape[1] != 2 or not np.issubdtype(pairs.dtype, np.integer) or (pairs <= 0).any():
+        raise ValueError(f"sizes must hold one positive int or (height, width) pair of ints per sample, "
+                         f"got {sizes[0]!r} first")
+    return pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
+
+
+def bucket_loader(dataset, sizes, max_batch_pixels, accelerator, train, seed=0, max_batch_size=None,
+                  collate_fn=None, num_workers=0):
+    """A DataLoader of this rank's bucketed batches, on the accelerator's device.
+
+    train=True: reshuffled every epoch (call `loader.set_epoch(epoch)`), the same number of
+    batches on every rank (a few batches repeat, see BucketBatchSampler).
+    train=False: in size order, every sample on exactly one rank once; ranks may differ by one
+    batch, so reduce the results once after the loop (see the module docstring).
+    `collate_fn` must pad the samples of a batch to a common size.
+    """
+    from accelerate.data_loader import prepare_data_loader
+
+    sampler = BucketBatchSampler(sizes, max_batch_pixels, accelerator.num_processes, accelerator.process_index,
+                                 seed=seed, shuffle=train, max_batch_size=max_batch_size, even_batches=train)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers)
+    # num_processes=1: the sampler is already this rank's shard; Accelerate must not deal it out again.
+    return prepare_data_loader(loader, accelerator.device, num_processes=1, process_index=0,
+                               put_on_device=accelerator.device_placement)

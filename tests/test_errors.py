@@ -1,0 +1,129 @@
+"""Bad input, failing ranks and exits: one clear line, a bounded time, nothing lost."""
+
+import hashlib
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import SAMPLE, _write_split, assert_ok, launch
+
+RECIPE = "recipes/mnist.py"
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def run_with_checkpoint(tiny_mnist, tmp_path_factory):
+    out = tmp_path_factory.mktemp("with_checkpoint")
+    assert_ok(launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, "--max_steps", 2,
+                      "--batch_size", 32], launcher="python"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bad_datasets(tiny_mnist, tmp_path_factory):
+    """Folders that are each wrong in one way."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("bad_data")
+    digits = np.zeros((4, 28, 28), np.uint8)
+    (root / "no_test").mkdir()
+    _write_split(root / "no_test" / "train.parquet", digits, [1, 2, 3, 4])
+    (root / "rgb").mkdir()
+    rgb = datasets.Dataset.from_dict({"image": [np.zeros((28, 28, 3), np.uint8)] * 4, "label": [1, 2, 3, 4]},
+                                      features=datasets.Features({"image": datasets.Image(),
+                                                                  "label": datasets.Value("int64")}))
+    for split in ("train", "test"):
+        rgb.to_parquet(str(root / "rgb" / f"{split}.parquet"))
+    (root / "bad_label").mkdir()
+    for split in ("train", "test"):
+        _write_split(root / "bad_label" / f"{split}.parquet", digits, [1, 2, 3, 4])
+    ds = datasets.load_dataset(str(root / "bad_label"))["train"].cast_column("label", datasets.Value("int64"))
+    ds.map(lambda r: {"label": 12}).to_parquet(str(root / "bad_label" / "train.parquet"))
+    (root / "empty").mkdir()
+    for split in ("train", "test"):
+        _write_split(root / "empty" / f"{split}.parquet", digits[:0], [])
+    return root
+
+
+CASES = {
+    "missing split": (["--dataset", "{bad}/no_test"], "has no 'test' split (it has train)"),
+    "missing column": (["--label_column", "digit"], "has no column 'digit'"),
+    "empty split": (["--dataset", "{bad}/empty"], "has an empty split"),
+    "channels": (["--dataset", "{bad}/rgb"], "BasicNet takes 28x28 greyscale"),
+    "label range": (["--dataset", "{bad}/bad_label"], "has label 12; labels must be 0..9"),
+    "smaller than a global batch": (["--batch_size", "1000"], "fewer than one global batch (1000 x 1 processes)"),
+    "resume path": (["--resume", "/no/such/checkpoint"], "resume checkpoint /no/such/checkpoint not found"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_and_the_checkpoints_survive(case, run_with_checkpoint, tiny_mnist, bad_datasets):
+    args, message = CASES[case]
+    args = [a.format(bad=bad_datasets) for a in args]
+    if "--dataset" not in args:
+        args = ["--dataset", str(tiny_mnist), *args]
+    if "--resume" not in args:
+        args += ["--resume", "latest"]
+    before = snapshot(run_with_checkpoint / "checkpoints")
+    start = time.monotonic()
+    res = launch([RECIPE, "--output_dir", run_with_checkpoint, "--batch_size", 32, *args], launcher="python")
+    errors = [line for line in res.output.splitlines() if "error: " in line]
+    assert res.returncode == 2 and len(errors) == 1 and message in errors[0], res
+    assert "Traceback" not in res.output
+    assert time.monotonic() - start < 60
+    after = snapshot(run_with_checkpoint / "checkpoints")
+    assert before.items() <= after.items(), "an existing checkpoint was changed or deleted"
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_mnist, tmp_path):
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--batch_size", 32, "--lr", "1e30",
+                  "--checkpoint_every_steps", 1], launcher="python")
+    errors = [line for line in res.output.splitlines() if "error: " in line]
+    assert res.returncode == 2 and len(errors) == 1, res
+    assert "the loss became nan or inf at step 2; the last good checkpoint is" in errors[0]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000001"]
+    assert (tmp_path / "checkpoints" / "step-00000001" / "trainer_state.json").is_file()
+
+
+def test_output_dir_that_cannot_be_written(tiny_mnist, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path / "a_file" / "run"], launcher="python")
+    assert res.returncode == 2 and "is not writable (Not a directory)" in res.output.strip().splitlines()[-1], res
+
+
+def test_debug_shows_the_traceback(tiny_mnist, tmp_path):
+    res = launch([RECIPE, "--dataset", "./nowhere", "--output_dir", tmp_path, "--debug"], launcher="python")
+    assert res.returncode != 0 and "Traceback" in res.output and "DataError" in res.output
+
+
+def test_two_processes_print_a_user_error_once(tiny_mnist, tmp_path):
+    res = launch([RECIPE, "--dataset", "./nowhere", "--output_dir", tmp_path], nproc=2)
+    assert res.returncode != 0
+    assert res.output.count("error: dataset path ./nowhere does not exist") == 1, res
+    assert "[rank1]" not in res.output and "[rank0]" not in res.output
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang"])
+def test_a_failing_rank_brings_the_job_down_quickly(mode):
+    # "raise": the launcher sees rank 1 die and stops rank 0, which is waiting in a collective.
+    # "hang": nothing dies; rank 0's collective times out after dist timeout (10 s here).
+    start = time.monotonic()
+    res = launch(["tests/rank_failure_probe.py", mode, 10], nproc=2, timeout=120)
+    assert res.returncode != 0
+    if mode == "raise":
+        assert "rank 1 failed at step 3 (planted by the test)" in res.output, res
+    else:
+        assert "timed out" in res.output.lower() or "timeout" in res.output.lower(), res
+    assert time.monotonic() - start < 90
+
+
+def test_two_processes_with_dataloader_workers_exit_cleanly(tiny_mnist, tmp_path):
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--smoke", "--batch_size", 16,
+                  "--num_workers", 2], nproc=2, timeout=180)
+    assert_ok(res)
