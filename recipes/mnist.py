@@ -236,7 +236,7 @@ def main(cfg):
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
     accelerator.print(
         f"mnist: {describe(accelerator, cfg.batch_size)}; "
-        f"{len(train_loader.dataset)} train / {len(test_loader.dataset)} test samples"
+        f"{len(train_loader.dataset)} train / {len(test_loader.dataset)} test samples; outputs to {out}/"
     )
 
     # 4. Resume: weights, optimizer, RNG of every rank, LR schedule, and the position in the data.
