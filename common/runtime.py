@@ -77,6 +77,23 @@ def _init_process_group_after_restart(cpu, timeout_s):
     )
 
 
+TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # log_with value -> package it needs
+
+
+def tracker(log_with):
+    """The `log_with` setting as Accelerate takes it (None for "none"), checked before the run
+    starts: a missing package is a one-line error, not a failure at the first log call."""
+    if log_with == "none":
+        return None
+    if log_with not in TRACKERS:
+        raise UserError(f"log_with must be none, {' or '.join(TRACKERS)}, got {log_with!r}")
+    import importlib.util
+
+    if importlib.util.find_spec(TRACKERS[log_with]) is None:
+        raise UserError(f"log_with {log_with} needs the {TRACKERS[log_with]} package: pip install -r requirements-extras.txt")
+    return log_with
+
+
 def describe(accelerator, batch_size):
     """One line: where and how this run trains."""
     precision = accelerator.mixed_precision

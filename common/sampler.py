@@ -7,13 +7,12 @@
         train_loader.set_epoch(epoch)       # as for a prepared loader; resume with
         ...                                 # accelerator.skip_first_batches(train_loader, batches_done)
 
-Do not pass these loaders to accelerator.prepare(). prepare() wraps any batch sampler in
-BatchSamplerShard and deals its batches out to the ranks again, so an already sharded sampler
-loses half its data per rank; through that wrapper loader.set_epoch() never reaches the
-sampler (the order would never change); and gather_for_metrics cannot find the padding of
-variable-size batches. So BucketBatchSampler shards itself, and bucket_loader() hands the
-DataLoader to Accelerate's prepare_data_loader with num_processes=1, which only adds device
-placement, the end-of-epoch signal for gradient accumulation, set_epoch and skip_first_batches.
+Do not pass these loaders to accelerator.prepare(): it wraps any batch sampler in
+BatchSamplerShard, which deals the batches out to the ranks again (a sharded sampler loses half
+its data on each rank) and never forwards loader.set_epoch() to it (the order never changes).
+So BucketBatchSampler shards itself, and bucket_loader() wraps the DataLoader with Accelerate's
+prepare_data_loader(num_processes=1): device placement, the end-of-epoch signal for gradient
+accumulation, set_epoch and skip_first_batches, and no second sharding.
 
 Exact evaluation: `bucket_loader(..., train=False)` gives every sample to exactly one rank
 with no padding, so ranks may get different numbers of batches. The evaluation loop must then
@@ -21,14 +20,18 @@ do no collective per batch: run the unwrapped model (`accelerator.unwrap_model(m
 model may broadcast its buffers in the first forward), add up sums and counts locally, and
 reduce them once after the loop:
 
-    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+    net = accelerator.unwrap_model(model).eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss, correct, samples
     for x, y in test_loader:
-        loss = F.cross_entropy(model(x), y, reduction="sum")
-        totals += torch.stack([loss, (model(x).argmax(1) == y).sum(), torch.tensor(len(y))]).double()
+        logits = net(x)
+        totals[0] += F.cross_entropy(logits, y, reduction="sum")
+        totals[1] += (logits.argmax(1) == y).sum()
+        totals[2] += len(y)
     loss_sum, correct, samples = accelerator.reduce(totals, "sum").tolist()  # samples: exact
 """
 
 import numpy as np
+from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, Sampler
 
 
@@ -58,7 +61,8 @@ class BucketBatchSampler(Sampler):
       - even_batches=True (training, the default): every rank gets the same number of batches,
         ceil(B / num_replicas), so no rank waits forever in a collective. The first
         num_replicas - B % num_replicas batches of this epoch's order are repeated at the end
-        to fill up; only their samples are seen twice, at most num_replicas - 1 batches.
+        to fill up; only their samples are seen twice (at most num_replicas - 1 batches; with
+        fewer batches than ranks the batches cycle).
       - drop_last=True: the last B % num_replicas batches of this epoch's order are dropped
         (different ones every epoch); equal counts and no repeats.
       - even_batches=False (exact evaluation): no sample repeats and none is dropped; ranks
@@ -150,8 +154,6 @@ def bucket_loader(dataset, sizes, max_batch_pixels, accelerator, train, seed=0, 
     batch, so reduce the results once after the loop (see the module docstring).
     `collate_fn` must pad the samples of a batch to a common size.
     """
-    from accelerate.data_loader import prepare_data_loader
-
     sampler = BucketBatchSampler(sizes, max_batch_pixels, accelerator.num_processes, accelerator.process_index,
                                  seed=seed, shuffle=train, max_batch_size=max_batch_size, even_batches=train)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers)

@@ -10,7 +10,7 @@ Copy this file to start your own recipe; the `# ADAPT:` comments mark what to ch
 """
 
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -29,7 +29,7 @@ from common.config import UserError, require, save_config
 from common.data import DataError, load_splits
 from common.metrics import MetricsLog, RunningMean, Throughput, peak_memory_mb
 from common.runtime import (
-    NonFiniteLoss, build_accelerator, close, describe, elastic_restart, make_output_dir, run, stop_requested,
+    NonFiniteLoss, build_accelerator, close, describe, elastic_restart, make_output_dir, run, stop_requested, tracker,
 )
 
 
@@ -61,6 +61,9 @@ class Config:
     smoke_steps: int = 5
     eval_only: bool = False  # evaluate `weights` (or the `resume` checkpoint) on the test split and stop
     weights: Optional[str] = None  # model.safetensors (or a state_dict .pt) to start from
+    # Logging (metrics.jsonl is always written).
+    log_with: str = "none"  # none, tensorboard or wandb (pip install -r requirements-extras.txt)
+    log_every: int = 50  # optimizer steps between logged training scalars
     dist_timeout_s: int = 600  # a rank stuck this long in a collective stops the job
     debug: bool = False  # show full tracebacks for user errors
 
@@ -73,6 +76,7 @@ class Config:
         require(self.num_workers >= 0, f"num_workers cannot be negative, got {self.num_workers}")
         require(self.smoke_steps >= 1, f"smoke_steps must be at least 1, got {self.smoke_steps}")
         require(self.max_steps >= 0 and self.checkpoint_every_steps >= 0, "max_steps and checkpoint_every_steps cannot be negative")
+        require(self.log_every >= 1, f"log_every must be at least 1, got {self.log_every}")
         require(self.keep_checkpoints >= 1, f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
         require(not (self.weights and self.resume), "weights and resume both load a model: pass one of them")
         require(not self.eval_only or self.weights or self.resume, "eval_only needs --weights FILE or --resume CHECKPOINT")
@@ -153,7 +157,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
     """
     model.train()
     loss_mean, speed, skipped, stop = RunningMean(accelerator.device), Throughput(), 0, False
-    nonfinite = NonFiniteLoss(accelerator.device)
+    nonfinite, window, window_speed = NonFiniteLoss(accelerator.device), RunningMean(accelerator.device), Throughput()
     max_steps = cfg.smoke_steps if cfg.smoke else cfg.max_steps
     for x, y in tqdm(loader, f"epoch {progress['epoch']}", disable=not accelerator.is_main_process, leave=False):
         with accelerator.accumulate(model):
@@ -163,12 +167,19 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
             optimizer.zero_grad()
         progress["batches_done"] += 1
         loss_mean.update(loss.detach(), len(y))
+        window.update(loss.detach(), len(y))
         speed.update(len(y))
+        window_speed.update(len(y))
         if not accelerator.sync_gradients:  # still accumulating
             continue
         progress["step"] += 1
         skipped += accelerator.optimizer_step_was_skipped  # fp16: the scaler skipped an overflowing step
         nonfinite.update(loss, progress["step"])
+        if cfg.log_with != "none" and progress["step"] % cfg.log_every == 0:  # all ranks: compute() is a collective
+            accelerator.log({"train/loss": window.compute(accelerator), "train/lr": optimizer.param_groups[0]["lr"],
+                             "train/samples_per_s": window_speed.compute(accelerator.num_processes)},
+                            step=progress["step"])
+            window, window_speed = RunningMean(accelerator.device), Throughput()
         stop = stop_requested(accelerator, progress["step"]) or progress["step"] == max_steps
         checkpoint = cfg.checkpoint_every_steps and progress["step"] % cfg.checkpoint_every_steps == 0
         if stop or checkpoint or progress["step"] % 10 == 0:
@@ -206,14 +217,16 @@ def evaluate(model, loader, accelerator):
 
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
-    accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s)
-    set_seed(cfg.seed)
     out = make_output_dir(cfg.output_dir)
+    accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s,
+                                    log_with=tracker(cfg.log_with), project_dir=out)
+    set_seed(cfg.seed)
     resume = "latest" if elastic_restart() and not cfg.resume else cfg.resume
     if not resume and not cfg.eval_only and list_checkpoints(out / "checkpoints"):
         raise UserError(f"{out} holds checkpoints of an earlier run: add --resume latest, or pick another --output_dir")
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
+    accelerator.init_trackers("mnist", config=asdict(cfg))  # TensorBoard or wandb, if log_with says so
     metrics = MetricsLog(out / "metrics.jsonl", accelerator.is_main_process)
 
     # 2. Data: every process loads it (the datasets cache is locked, so one download serves all;
@@ -272,6 +285,7 @@ def main(cfg):
             save(accelerator, cfg, progress, scheduler)
         metrics.write(epoch=epoch, step=progress["step"], world_size=accelerator.num_processes, lr=lr,
                       **train, **result)
+        accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=progress["step"])
         accelerator.print(
             f"epoch {epoch}: train loss {train['train_loss']:.4f}, test accuracy {result['accuracy']:.4f} "
             f"({result['eval_samples']} samples), {train['train_samples_per_s']:.0f} samples/s"
