@@ -2,8 +2,9 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_OUT ?= runs/mnist-demo
+UNET_DEMO_OUT ?= runs/unet-demo
 
-.PHONY: help venv demo demo-ddp test stress clean
+.PHONY: help venv demo demo-unet demo-ddp test stress clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -15,11 +16,20 @@ $(BIN)/.installed: requirements.txt
 
 venv: $(BIN)/.installed  ## create .venv from requirements.txt (done by the other targets when missing)
 
-demo: $(BIN)/.installed  ## train MNIST on the shipped 4000-digit sample, on the CPU
+demo: $(BIN)/.installed  ## train MNIST on the shipped 4000-digit sample, then a U-Net on data/shapes, on the CPU
 	$(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/mnist.py \
 		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)
+	@$(MAKE) --no-print-directory demo-unet
 
-demo-ddp: $(BIN)/.installed  ## the same with 2 processes (2 GPUs, or 2 CPU processes over gloo)
+# One thread: on 2 cores, convolutions this small run several times slower with two.
+demo-unet: $(BIN)/.installed data/shapes  ## train a small U-Net on the generated shapes, on the CPU (~25 s)
+	$(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \
+		recipes/unet.py --dataset data/shapes --base_channels 16 --lr 3e-3 --epochs 6 --output_dir $(UNET_DEMO_OUT)
+
+data/shapes: scripts/make_shapes.py | $(BIN)/.installed  # 200 images with exact masks, the U-Net's demo data
+	$(BIN)/python scripts/make_shapes.py --out $@
+
+demo-ddp: $(BIN)/.installed  ## the MNIST demo with 2 processes (2 GPUs, or 2 CPU processes over gloo)
 	$(BIN)/accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py \
 		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)-ddp
 
@@ -28,6 +38,10 @@ test: $(BIN)/.installed  ## run the test suite (real 1- and 2-process launches o
 
 stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean exits
 	$(BIN)/python scripts/stress_exit.py --runs 20
+
+.PHONY: bench
+bench: $(BIN)/.installed  ## recipe loop vs compute bound vs classic loop, and start-up time (runs/bench/bench.json)
+	$(BIN)/python scripts/bench.py
 
 clean:  ## remove runs/ and caches (keeps .venv)
 	rm -rf runs .pytest_cache

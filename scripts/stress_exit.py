@@ -3,6 +3,7 @@
     python scripts/stress_exit.py --runs 20                       # accelerate launch
     python scripts/stress_exit.py --runs 20 --launcher torchrun
     python scripts/stress_exit.py --runs 20 --recipe recipes/unet.py --dataset data/shapes
+    python scripts/stress_exit.py --runs 5 --recipe recipes/unet.py --dataset data/shapes -- --base_channels 8
 
 A clean exit is status 0 with no "terminate called" abort at interpreter shutdown: gloo's
 threads dying because the DDP model or a prepared loader outlived the process group.
@@ -33,6 +34,7 @@ def main():
     p.add_argument("--recipe", default="recipes/mnist.py")
     p.add_argument("--dataset", default="data/mnist_sample")
     p.add_argument("--num_workers", type=int, default=0)
+    p.add_argument("settings", nargs="*", help="more recipe settings, after --: -- --base_channels 8")
     args = p.parse_args()
 
     clean = 0
@@ -43,7 +45,7 @@ def main():
         else:
             cmd = [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())]
         cmd += [args.recipe, "--dataset", args.dataset, "--smoke", "--num_workers", str(args.num_workers),
-                "--output_dir", f"/tmp/stress_exit/{i}"]
+                "--output_dir", f"/tmp/stress_exit/{i}", *args.settings]
         start = time.perf_counter()
         proc = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True, timeout=600)
         out = proc.stdout + proc.stderr

@@ -1,0 +1,550 @@
+"""U-Net semantic segmentation: the classic model of Ronneberger et al., as in milesial/Pytorch-UNet.
+
+    python scripts/make_shapes.py                                 # the default data, data/shapes
+    python recipes/unet.py --epochs 10                            # one process
+    accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/unet.py --dataset DIR --num_classes 2
+    python recipes/unet.py --predict "photos/*.jpg" --weights runs/unet/model.safetensors --overlay
+
+The same file runs on CPU, one GPU, many GPUs and fp16/bf16: the accelerate config decides.
+Settings are the Config fields below: `--config run.yaml` and `--field value`. The `# ADAPT:`
+comments mark what to change for your data.
+"""
+
+import glob
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ when run as a script
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from accelerate.utils import gather_object, set_seed
+from PIL import Image
+from safetensors import SafetensorError, safe_open
+from torch.utils.data import DataLoader, Dataset
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+from torchvision.transforms.v2.functional import pil_to_tensor, resize
+from tqdm.auto import tqdm
+
+from common.checkpoint import load_weights, save_weights
+from common.config import UserError, require, save_config
+from common.data import DataError, load_splits
+from common.metrics import MetricsLog, RunningMean, Throughput, peak_memory_mb
+from common.runtime import build_accelerator, close, describe, make_output_dir, run
+
+
+@dataclass
+class Config:
+    # Data. ADAPT: a folder with imgs/ and masks/ (the Carvana layout: imgs/NAME.jpg with masks/NAME.png
+    # or masks/NAME_mask.gif), or a hub name / folder that datasets.load_dataset reads.
+    dataset: str = "data/shapes"  # `make data/shapes` writes it (scripts/make_shapes.py)
+    val_fraction: float = 0.1  # imgs/+masks/ folders: share held out for validation, the same for every seed
+    image_column: str = "image"  # datasets data: the column of images
+    mask_column: str = "mask"  # datasets data: the column of masks
+    train_split: str = "train"  # datasets data
+    val_split: str = "validation"  # datasets data
+    mask_values: str = ""  # mask pixel values in class order, e.g. "0,255"; empty: the sorted values found
+    num_classes: int = 4  # classes with background; 1: one sigmoid output, for masks of 2 values
+    output_dir: str = "runs/unet"  # config.yaml, metrics.jsonl and model.safetensors go here
+    # Model.
+    base_channels: int = 64  # width of the first level, doubled at each of the 4 levels down
+    bilinear: bool = False  # upsample by bilinear interpolation (fewer weights), not transposed convolutions
+    sync_bn: bool = True  # BatchNorm statistics over all processes' batches (PyTorch has it on GPUs only)
+    channels_last: bool = False  # NHWC memory layout: faster convolutions in fp16/bf16 on recent GPUs
+    # Augmentation: an image and its mask get the same resize, crop and flips (the mask by nearest neighbour).
+    image_size: int = 0  # resize to image_size x image_size; 0: keep the files' size, which must all match
+    crop_size: int = 0  # training only: a random square crop of this size after the resize; 0: no crop
+    hflip: float = 0.5  # training only: probability of a horizontal flip
+    vflip: float = 0.0  # training only: probability of a vertical flip
+    # Training.
+    epochs: int = 5
+    batch_size: int = 8  # per process: the global batch is this x processes x accumulation steps
+    eval_batch_size: int = 16  # per process; also predict's batch
+    lr: float = 1e-3  # AdamW learning rate
+    weight_decay: float = 1e-4  # AdamW weight decay
+    scheduler: str = "cosine"  # cosine: to 0 over all optimizer steps; plateau: x0.1 after 5 evals with no better dice
+    grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
+    gradient_accumulation_steps: int = 1  # optimizer step every N batches
+    seed: int = 0  # model init, data order and augmentation; same seed, same run
+    num_workers: int = 2  # DataLoader workers per process: images are decoded from disk at every read
+    # Modes.
+    smoke: bool = False  # train smoke_steps steps of one epoch, then evaluate: for tests and CI
+    smoke_steps: int = 5
+    eval_only: bool = False  # evaluate `weights` on the validation images and stop
+    weights: Optional[str] = None  # model.safetensors (or a state_dict .pt) to start from
+    predict: Optional[str] = None  # image file or glob: write masks with `weights`, whose file holds the model settings
+    predict_dir: Optional[str] = None  # where predict writes NAME_mask.png; default output_dir/predictions
+    overlay: bool = False  # predict: also write NAME_overlay.png, the image with the classes painted on it
+    dist_timeout_s: int = 600  # a rank stuck this long in a collective stops the job
+    debug: bool = False  # show full tracebacks for user errors
+
+    def validate(self):
+        require(self.epochs >= 1, f"epochs must be at least 1, got {self.epochs}")
+        require(min(self.batch_size, self.eval_batch_size) >= 1, "batch_size and eval_batch_size must be at least 1")
+        require(self.lr > 0 and self.weight_decay >= 0, "lr must be positive and weight_decay not negative")
+        require(self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be at least 1")
+        require(self.num_workers >= 0, f"num_workers cannot be negative, got {self.num_workers}")
+        require(self.smoke_steps >= 1, f"smoke_steps must be at least 1, got {self.smoke_steps}")
+        require(0 < self.val_fraction < 1, f"val_fraction must be between 0 and 1, got {self.val_fraction}")
+        require(min(self.num_classes, self.base_channels) >= 1, "num_classes and base_channels must be at least 1")
+        require(self.scheduler in ("cosine", "plateau"), f"scheduler must be cosine or plateau, got {self.scheduler!r}")
+        require(self.grad_clip >= 0, f"grad_clip cannot be negative, got {self.grad_clip}")
+        require(0 <= self.hflip <= 1 and 0 <= self.vflip <= 1, "hflip and vflip are probabilities, from 0 to 1")
+        for name in ("image_size", "crop_size"):
+            require(getattr(self, name) == 0 or getattr(self, name) >= 32,
+                    f"{name} must be 0 or at least 32: the U-Net halves the image 4 times")
+        require(not self.image_size or self.crop_size <= self.image_size, "crop_size cannot exceed image_size")
+        if self.mask_values:
+            require(len(parse_values(self.mask_values, "--mask_values")) == value_count(self.num_classes),
+                    f"mask_values needs one value per class ({value_count(self.num_classes)} for num_classes "
+                    f"{self.num_classes}), got {self.mask_values!r}")
+        require(not self.eval_only or self.weights, "eval_only needs weights: add --weights PATH/model.safetensors")
+        require(not self.predict or self.weights, "predict needs weights: add --weights PATH/model.safetensors")
+        require(not (self.predict and self.eval_only), "choose one of predict and eval_only")
+
+
+def parse_values(text, where):
+    """'0,85,170' -> [0, 85, 170]: distinct non-negative integers, or a ConfigError."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    require(values and min(values) >= 0 and len(set(values)) == len(values),
+            f"{where} must be distinct non-negative integers separated by commas, like 0,255; got {text!r}")
+    return values
+
+
+def value_count(num_classes):
+    """How many mask values a model tells apart: a 1-class (sigmoid) model has background and foreground."""
+    return 2 if num_classes == 1 else num_classes
+
+
+# ADAPT: your model. The classic U-Net: 4 levels down, 4 up, a skip connection at each level.
+def double_conv(cin, cout, mid=None):
+    mid = mid or cout
+    return nn.Sequential(
+        nn.Conv2d(cin, mid, 3, padding=1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(inplace=True),
+        nn.Conv2d(mid, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+    )
+
+
+class Up(nn.Module):
+    def __init__(self, cin, cout, bilinear):
+        super().__init__()
+        if bilinear:  # no weights in the upsampling: the convolutions halve the channels instead
+            self.up = nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True)
+            self.conv = double_conv(cin, cout, cin // 2)
+        else:
+            self.up = nn.ConvTranspose2d(cin, cin // 2, 2, stride=2)
+            self.conv = double_conv(cin, cout)
+
+    def forward(self, x, skip):
+        x = self.up(x)
+        dy, dx = skip.shape[2] - x.shape[2], skip.shape[3] - x.shape[3]  # an odd size lost a pixel going down
+        x = F.pad(x, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
+        return self.conv(torch.cat([skip, x], 1))
+
+
+class UNet(nn.Module):
+    def __init__(self, num_classes, base_channels=64, bilinear=False, in_channels=3):
+        super().__init__()
+        c = [base_channels * 2**i for i in range(5)]  # 64, 128, 256, 512, 1024
+        f = 2 if bilinear else 1
+        self.inc = double_conv(in_channels, c[0])
+        self.downs = nn.ModuleList(
+            nn.Sequential(nn.MaxPool2d(2), double_conv(c[i], c[i + 1] // (f if i == 3 else 1))) for i in range(4)
+        )
+        self.ups = nn.ModuleList(Up(c[i], c[i - 1] // (f if i > 1 else 1), bilinear) for i in (4, 3, 2, 1))
+        self.outc = nn.Conv2d(c[0], num_classes, 1)
+
+    def forward(self, x):
+        skips = [self.inc(x)]
+        for down in self.downs:
+            skips.append(down(skips[-1]))
+        x = skips.pop()
+        for up in self.ups:
+            x = up(x, skips.pop())
+        return self.outc(x)  # logits [N, num_classes, H, W]
+
+
+# ADAPT: your data. Pairs are read from disk at every access (Carvana does not fit in memory;
+# the workers hide the decoding). A source is a sequence of (image, mask, name) for messages.
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp"}
+
+
+def folder_pairs(root):
+    """[(image path, mask path, name)] for imgs/NAME.* with masks/NAME.* or masks/NAME_mask.*, by name."""
+    def files(folder):
+        return {p.stem: p for p in sorted((root / folder).iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES}
+
+    masks, pairs = files("masks"), []
+    for stem, image in files("imgs").items():
+        found = [masks[s] for s in (stem, stem + "_mask") if s in masks]
+        if len(found) != 1:
+            raise DataError(f"{image} has {'two masks' if found else 'no mask'}: expected one of "
+                            f"masks/{stem}.png or masks/{stem}_mask.png (any image type)")
+        pairs.append((image, found[0], str(found[0])))
+    if not pairs:
+        raise DataError(f"{root / 'imgs'} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return pairs
+
+
+class TableRows:
+    """The (image, mask, name) rows of a datasets.Dataset, decoded when read."""
+
+    def __init__(self, ds, cfg, split):
+        self.ds, self.columns, self.where = ds, (cfg.image_column, cfg.mask_column), f"{cfg.dataset} {split}"
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        row = self.ds[i]
+        return row[self.columns[0]], row[self.columns[1]], f"{self.where} row {i}"
+
+
+def open_sources(cfg):
+    """The train and validation sources, from imgs/ + masks/ or from datasets."""
+    root = Path(cfg.dataset)
+    if cfg.dataset == Config.dataset and not root.exists():
+        raise DataError(f"{root} does not exist yet: write it with `make data/shapes` or python scripts/make_shapes.py")
+    if (root / "imgs").is_dir() and (root / "masks").is_dir():
+        pairs = folder_pairs(root)
+        n_val = int(len(pairs) * cfg.val_fraction)
+        if not 0 < n_val < len(pairs):
+            raise DataError(f"val_fraction {cfg.val_fraction} of {len(pairs)} images leaves none to validate or train")
+        # A fixed generator, as in the anchor: the held-out images do not move with --seed.
+        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(0)).tolist()
+        return [pairs[i] for i in order[n_val:]], [pairs[i] for i in order[:n_val]]
+    splits = load_splits(cfg.dataset, [cfg.train_split, cfg.val_split], [cfg.image_column, cfg.mask_column])
+    return [TableRows(splits[split], cfg, split) for split in (cfg.train_split, cfg.val_split)]
+
+
+def read_pair(image, mask, name):
+    """A PIL image and its mask as an integer array of pixel values (grey levels or palette indices)."""
+    image, mask = (Image.open(p) if isinstance(p, Path) else p for p in (image, mask))
+    if not isinstance(mask, Image.Image):
+        raise DataError(f"{name}: the mask is a {type(mask).__name__}, not an image: check mask_column")
+    values = np.asarray(mask.convert("L") if mask.mode == "1" else mask)
+    if values.ndim == 3:  # a grey mask saved as RGB(A): keep one channel if the others agree
+        if not (values[..., :3] == values[..., :1]).all():
+            raise DataError(f"mask {name} is in colour: save one grey level or palette index per class")
+        values = values[..., 0]
+    if image.size != values.shape[::-1]:
+        raise DataError(f"mask {name} is {values.shape[1]}x{values.shape[0]}, its image {image.width}x{image.height}")
+    return image, values.astype(np.int64)
+
+
+def scan_masks(accelerator, sources):
+    """{mask value: [number of masks holding it, one of them]} and the set of image sizes.
+
+    Each process reads its share of the pairs and the results are gathered, so a bad file stops
+    every rank with the same one-line error (never one rank raising while the others wait).
+    """
+    found, sizes, problems = {}, set(), []
+    pairs = [source[i] for source in sources for i in range(len(source))]
+    for image, mask, name in pairs[accelerator.process_index :: accelerator.num_processes]:
+        try:
+            image, values = read_pair(image, mask, name)
+        except (DataError, OSError) as e:  # OSError: a file PIL cannot read
+            problems.append(str(e))
+            continue
+        sizes.add(image.size)
+        for v in np.unique(values).tolist():
+            found.setdefault(v, [0, name])[0] += 1
+    merged = {}
+    for rank_found, rank_sizes, rank_problems in gather_object([(found, sizes, problems)]):
+        if rank_problems:
+            raise DataError(rank_problems[0])
+        sizes |= rank_sizes
+        for v, (count, name) in rank_found.items():
+            merged.setdefault(v, [0, name])[0] += count
+    return merged, sizes
+
+
+def mask_values_and_size(cfg, found, sizes, stored_values):
+    """Class i is mask value values[i]: from --mask_values, else the weights file, else the values found."""
+    text = cfg.mask_values or stored_values
+    values = parse_values(text, "mask_values") if text else sorted(found)
+    unknown = sorted(set(found) - set(values))
+    if unknown:
+        raise DataError(f"mask {found[unknown[0]][1]} has value {unknown[0]}, which is not one of mask_values "
+                        f"{','.join(map(str, values))}: fix the mask, or list the value in --mask_values")
+    if len(values) != value_count(cfg.num_classes) and text:  # --mask_values itself was checked in validate()
+        raise DataError(f"{cfg.weights} was trained on {len(values)} mask values ({text}), "
+                        f"which does not fit num_classes {cfg.num_classes}: set --num_classes")
+    if len(values) != value_count(cfg.num_classes):
+        rare = min(values, key=lambda v: found[v][0])
+        raise DataError(f"the masks hold {len(values)} values ({','.join(map(str, values[:8]))}) where num_classes "
+                        f"{cfg.num_classes} expects {value_count(cfg.num_classes)}; the rarest, {rare}, is in "
+                        f"{found[rare][0]} mask(s), such as {found[rare][1]}: fix the masks, set --num_classes, or "
+                        f"set --mask_values to the values that are classes")
+    if cfg.image_size:
+        return values, (cfg.image_size, cfg.image_size)
+    if len(sizes) > 1:
+        a, b = sorted(sizes)[:2]
+        raise DataError(f"images have different sizes ({a[0]}x{a[1]}, {b[0]}x{b[1]}): set --image_size to resize them")
+    ((w, h),) = sizes
+    if min(w, h) < max(32, cfg.crop_size):
+        raise DataError(f"images are {w}x{h}, smaller than crop_size or the U-Net's 32 pixels: set --image_size")
+    return values, (h, w)
+
+
+class SegmentationSet(Dataset):
+    """(uint8 image [3, H, W], int64 class indices [H, W]) after the joint transforms."""
+
+    def __init__(self, source, values, transform):
+        self.source, self.values, self.transform = source, values, transform
+
+    def __len__(self):
+        return len(self.source)
+
+    def __getitem__(self, i):
+        image, values = read_pair(*self.source[i])
+        mask = np.zeros(values.shape, np.int64)
+        for c, v in enumerate(self.values):  # scan_masks made sure that no other value occurs
+            mask[values == v] = c
+        image = tv_tensors.Image(pil_to_tensor(image.convert("RGB")))
+        image, mask = self.transform(image, tv_tensors.Mask(torch.from_numpy(mask)))
+        return image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor)
+
+
+def make_loaders(cfg, train_source, val_source, values):
+    """Plain single-process DataLoaders; accelerator.prepare() shards and reshuffles them."""
+    sized = [v2.Resize((cfg.image_size, cfg.image_size), antialias=True)] if cfg.image_size else []
+    crop = [v2.RandomCrop(cfg.crop_size)] if cfg.crop_size else []
+    train_tf = v2.Compose([*sized, *crop, v2.RandomHorizontalFlip(cfg.hflip), v2.RandomVerticalFlip(cfg.vflip)])
+    val_tf = v2.Compose(sized) if sized else v2.Identity()
+    return (DataLoader(SegmentationSet(train_source, values, train_tf), cfg.batch_size, shuffle=True,
+                       num_workers=cfg.num_workers),
+            DataLoader(SegmentationSet(val_source, values, val_tf), cfg.eval_batch_size, num_workers=cfg.num_workers))
+
+
+def prepare_input(x, cfg):
+    x = x.float() / 255
+    return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
+
+
+def loss_per_image(logits, target, num_classes):
+    """Cross-entropy (BCE for 1 class) + soft Dice loss over all classes, one value per image, in fp32."""
+    logits = logits.float()
+    if num_classes == 1:
+        logits, target = logits[:, 0], target.float()
+        ce = F.binary_cross_entropy_with_logits(logits, target, reduction="none").mean((1, 2))
+        probs, onehot = logits.sigmoid()[:, None], target[:, None]
+    else:
+        ce = F.cross_entropy(logits, target, reduction="none").mean((1, 2))
+        probs, onehot = logits.softmax(1), F.one_hot(target, num_classes).permute(0, 3, 1, 2).float()
+    inter, total = (probs * onehot).sum((2, 3)), (probs + onehot).sum((2, 3))
+    dice = (2 * inter + 1) / (total + 1)  # +1: a class absent from both scores 1, and stray pixels cost little
+    return ce + 1 - dice.mean(1)
+
+
+def dice_counts(logits, target, num_classes):
+    """Per image and foreground class: |pred & true| and |pred| + |true|, from hard predictions."""
+    pred = (logits[:, 0] > 0).long() if num_classes == 1 else logits.argmax(1)
+    classes = torch.arange(1, value_count(num_classes), device=pred.device)[:, None, None]
+    pred, true = pred[:, None] == classes, target[:, None] == classes  # [N, foreground classes, H, W]
+    return (pred & true).sum((2, 3)), pred.sum((2, 3)) + true.sum((2, 3))
+
+
+def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, epoch):
+    """One pass over this process's shard: mean loss over all ranks, global images/s, optimizer steps."""
+    model.train()
+    loss_mean, speed, steps, skipped = RunningMean(accelerator.device), Throughput(), 0, 0
+    for x, y in tqdm(loader, f"epoch {epoch}", disable=not accelerator.is_main_process, leave=False):
+        with accelerator.accumulate(model):
+            loss = loss_per_image(model(prepare_input(x, cfg)), y, cfg.num_classes).mean()
+            accelerator.backward(loss)
+            if cfg.grad_clip and accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            steps += 1
+            skipped += accelerator.optimizer_step_was_skipped  # fp16: the scaler skipped an overflowing step
+            # We step the scheduler ourselves, once per optimizer step: a prepared one steps
+            # num_processes times per call, and its schedule would end early on N processes.
+            if scheduler is not None and not accelerator.optimizer_step_was_skipped:
+                scheduler.step()
+        loss_mean.update(loss.detach(), len(y))
+        speed.update(len(y))
+        if cfg.smoke and steps >= cfg.smoke_steps:
+            break
+    return {
+        "train_loss": loss_mean.compute(accelerator),
+        "train_samples_per_s": speed.compute(accelerator.num_processes),
+        "skipped_steps": skipped,
+        "peak_memory_mb": peak_memory_mb(accelerator.device),
+        "steps": steps,
+    }
+
+
+@torch.inference_mode()
+def evaluate(model, loader, accelerator, cfg):
+    """Dice of hard predictions on the validation images, exact on any number of processes.
+
+    The Dice of an image is the mean, over the foreground classes (all but class 0; the one class
+    of a 1-class model), of 2 |pred & true| / (|pred| + |true|), where a class absent from both
+    prediction and mask scores 1. `dice` is the mean over images. The per-image counts go through
+    gather_for_metrics, which drops the padding that evens out the last batch, so each validation
+    image counts exactly once.
+    """
+    model.eval()
+    dice_sum = loss_sum = images = 0.0
+    for x, y in loader:
+        logits = model(prepare_input(x, cfg))
+        counts = (*dice_counts(logits, y, cfg.num_classes), loss_per_image(logits, y, cfg.num_classes))
+        inter, total, loss = accelerator.gather_for_metrics(counts)
+        dice = torch.where(total == 0, 1.0, 2 * inter / total.clamp(min=1))
+        dice_sum += dice.double().mean(1).sum().item()
+        loss_sum += loss.double().sum().item()
+        images += len(loss)
+    return {"dice": dice_sum / images, "eval_loss": loss_sum / images, "eval_samples": int(images)}
+
+
+def weights_metadata(path):
+    """The settings that save_weights stored in a .safetensors file; {} for other files."""
+    if Path(path).suffix != ".safetensors" or not Path(path).is_file():
+        return {}  # load_weights reports a missing file
+    try:
+        with safe_open(path, "pt") as f:
+            return f.metadata() or {}
+    except SafetensorError as e:
+        raise UserError(f"cannot read weights file {path} ({e}): it is truncated or not a weights file") from None
+
+
+PALETTE = np.array([(230, 25, 75), (60, 180, 75), (0, 130, 200), (255, 225, 25), (145, 30, 180), (70, 240, 240)])
+
+
+def predict(cfg, accelerator):
+    """A mask PNG per image, at the image's size, in the training masks' values; each process does a share."""
+    meta = weights_metadata(cfg.weights)
+    if "mask_values" not in meta:
+        raise UserError(f"{cfg.weights} holds no U-Net settings: predict needs weights saved by this recipe")
+    values, num_classes = parse_values(meta["mask_values"], "mask_values"), int(meta["num_classes"])
+    model = UNet(num_classes, int(meta["base_channels"]), meta["bilinear"] == "True")
+    load_weights(model, cfg.weights)
+    model.to(accelerator.device).eval()
+    files = sorted(p for p in glob.glob(cfg.predict) if Path(p).suffix.lower() in IMAGE_SUFFIXES)
+    if not files or len({Path(p).stem for p in files}) < len(files):
+        raise DataError(f"--predict {cfg.predict!r} matches {'two images of one name' if files else 'no image files'}")
+    for path in files:  # every process opens every header, so a bad file stops them all alike
+        try:
+            Image.open(path).close()
+        except OSError as e:
+            raise DataError(f"cannot read image {path}: {e}") from None
+    out = Path(cfg.predict_dir or Path(cfg.output_dir) / "predictions")
+    out.mkdir(parents=True, exist_ok=True)
+    lut = np.array(values, np.uint8 if max(values) < 256 else np.uint16)  # class index -> mask value
+    size = [int(s) for s in meta["input_size"].split(",")]  # the model sees images as in training
+    with accelerator.split_between_processes(files) as mine:
+        for start in range(0, len(mine), cfg.eval_batch_size):
+            paths = mine[start : start + cfg.eval_batch_size]
+            images = [Image.open(p).convert("RGB") for p in paths]
+            x = torch.stack([resize(pil_to_tensor(im), size, antialias=True) for im in images])
+            with torch.inference_mode(), accelerator.autocast():
+                logits = model(x.to(accelerator.device).float() / 255)
+            for path, image, lg in zip(paths, images, logits):
+                lg = F.interpolate(lg[None].float(), (image.height, image.width), mode="bilinear")[0]
+                classes = ((lg[0] > 0).long() if num_classes == 1 else lg.argmax(0)).cpu().numpy()
+                Image.fromarray(lut[classes]).save(out / f"{Path(path).stem}_mask.png")
+                if cfg.overlay:
+                    rgb = np.asarray(image, np.float32)
+                    rgb = np.where(classes[..., None] > 0, 0.5 * rgb + 0.5 * PALETTE[(classes - 1) % len(PALETTE)], rgb)
+                    Image.fromarray(rgb.astype(np.uint8)).save(out / f"{Path(path).stem}_overlay.png")
+    accelerator.wait_for_everyone()
+    accelerator.print(f"wrote {len(files)} masks (values {meta['mask_values']}) to {out}/")
+
+
+def main(cfg):
+    # 1. Runtime: processes and precision come from the accelerate config.
+    accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s)
+    set_seed(cfg.seed)
+    if cfg.predict:
+        predict(cfg, accelerator)
+        close(accelerator)
+        return
+    out = make_output_dir(cfg.output_dir)
+    if accelerator.is_main_process:
+        save_config(cfg, out / "config.yaml")
+    metrics = MetricsLog(out / "metrics.jsonl", accelerator.is_main_process)
+
+    # 2. Data: every process finds the pairs (the datasets cache is locked, so one download serves
+    # all, and bad data fails alike on every rank), reads a share of the masks, and learns all values.
+    train_source, val_source = open_sources(cfg)
+    if len(train_source) < cfg.batch_size * accelerator.num_processes:
+        raise DataError(f"{len(train_source)} training images are fewer than one global batch ({cfg.batch_size} x "
+                        f"{accelerator.num_processes} processes): lower batch_size")
+    found, sizes = scan_masks(accelerator, [train_source, val_source])
+    stored = weights_metadata(cfg.weights).get("mask_values") if cfg.weights else None
+    values, input_size = mask_values_and_size(cfg, found, sizes, stored)
+    train_loader, val_loader = make_loaders(cfg, train_source, val_source, values)
+
+    # 3. Model, optimizer and schedule.
+    model = UNet(cfg.num_classes, cfg.base_channels, cfg.bilinear)
+    if cfg.weights:
+        load_weights(model, cfg.weights)
+    if cfg.sync_bn and accelerator.num_processes > 1 and accelerator.device.type != "cpu":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # Accelerate leaves BatchNorm per process
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
+    steps_per_epoch = math.ceil(len(train_loader) / cfg.gradient_accumulation_steps)  # len: this process's share
+    total_steps = min(cfg.smoke_steps, steps_per_epoch) if cfg.smoke else cfg.epochs * steps_per_epoch
+    if cfg.scheduler == "cosine":
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, total_steps)
+    else:
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5)
+    if any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
+        norm = "SyncBatchNorm"
+    elif accelerator.num_processes > 1:
+        norm = f"BatchNorm per process ({'SyncBatchNorm needs GPUs' if cfg.sync_bn else 'sync_bn is off'})"
+    else:
+        norm = "BatchNorm"
+    accelerator.print(
+        f"unet: {describe(accelerator, cfg.batch_size)}; {norm}; {len(train_loader.dataset)} train / "
+        f"{len(val_loader.dataset)} validation images of {input_size[1]}x{input_size[0]}; classes: mask values "
+        f"{','.join(map(str, values))}{' (one sigmoid output)' if cfg.num_classes == 1 else ''}"
+    )
+
+    # 4. Train, evaluating after every epoch.
+    if cfg.eval_only:
+        result = evaluate(model, val_loader, accelerator, cfg)
+        metrics.write(epoch=None, step=0, world_size=accelerator.num_processes, weights=cfg.weights, **result)
+    else:
+        step = 0
+        for epoch in range(1, (1 if cfg.smoke else cfg.epochs) + 1):
+            train_loader.set_epoch(epoch)  # a new order every epoch, the same on every rank
+            lr = optimizer.param_groups[0]["lr"]
+            per_step = scheduler if cfg.scheduler == "cosine" else None
+            train = train_one_epoch(model, train_loader, optimizer, per_step, accelerator, cfg, epoch)
+            step += train.pop("steps")
+            result = evaluate(model, val_loader, accelerator, cfg)
+            if cfg.scheduler == "plateau":
+                scheduler.step(result["dice"])
+            metrics.write(epoch=epoch, step=step, world_size=accelerator.num_processes, lr=lr, **train, **result)
+            accelerator.print(
+                f"epoch {epoch}: train loss {train['train_loss']:.4f}, dice {result['dice']:.4f} "
+                f"({result['eval_samples']} images), {train['train_samples_per_s']:.0f} images/s"
+            )
+        # What predict needs to rebuild the model and write masks travels inside the weights file.
+        settings = {"mask_values": ",".join(map(str, values)), "num_classes": cfg.num_classes,
+                    "base_channels": cfg.base_channels, "bilinear": cfg.bilinear, "input_size": "%d,%d" % input_size}
+        save_weights(accelerator, model, out / "model.safetensors", {"recipe": "unet", **settings})
+
+    accelerator.print(f"dice {result['dice']:.4f} on {result['eval_samples']} validation images; outputs in {out}/")
+    # 5. Exit cleanly: drop what holds the process group, then close it.
+    del model, optimizer, scheduler, train_loader, val_loader
+    close(accelerator)
+
+
+if __name__ == "__main__":
+    run(main, Config)

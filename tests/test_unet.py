@@ -1,0 +1,236 @@
+"""The U-Net recipe, launched as users launch it, on a tiny shapes dataset made by scripts/make_shapes.py."""
+
+import importlib.util
+import math
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from safetensors import safe_open
+
+from common.config import ConfigError, parse_config
+from common.data import DataError
+from conftest import REPO, assert_ok, launch, read_metrics
+
+RECIPE = "recipes/unet.py"
+N_IMAGES, SIZE, VAL_FRACTION = 73, 48, 0.2
+N_VAL = 14  # int(73 * 0.2): not a multiple of 2 processes x eval_batch_size 4, so the last batch is padded
+N_TRAIN = N_IMAGES - N_VAL
+VALUES = {0, 85, 170, 255}  # make_shapes.py: background, circle, rectangle, triangle
+# Small and quick on a CPU, and wide enough (16) that every seed tried learns every class in 10 epochs.
+# One thread: on 2 cores a second one slows convolutions this small down several times.
+LR = 3e-3
+FAST = ["--base_channels", 16, "--lr", LR, "--val_fraction", VAL_FRACTION, "--num_workers", 0, "--eval_batch_size", 4]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="session")
+def shapes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shapes")
+    subprocess.run([sys.executable, REPO / "scripts" / "make_shapes.py", "--out", root, "--count", str(N_IMAGES),
+                    "--size", str(SIZE)], check=True, capture_output=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(shapes, tmp_path_factory):
+    """One single-process `python recipes/unet.py` run; later tests use its weights."""
+    out = tmp_path_factory.mktemp("unet_1p")
+    res = launch([RECIPE, "--dataset", shapes, "--output_dir", out, "--epochs", 10, *FAST], launcher="python",
+                 env=ONE_THREAD)
+    assert_ok(res)
+    return out, res
+
+
+def all_background_dice(mask_dir):
+    """The Dice of predicting background everywhere: the share of absent foreground classes."""
+    masks = [set(np.unique(np.asarray(Image.open(p))).tolist()) for p in mask_dir.glob("*.png")]
+    return float(np.mean([len(VALUES - m) / 3 for m in masks]))
+
+
+def test_single_process_learns_and_writes_the_output_contract(trained, shapes):
+    out, res = trained
+    rows = read_metrics(out)
+    assert [r["epoch"] for r in rows] == list(range(1, 11))
+    assert {"epoch", "step", "world_size", "lr", "train_loss", "train_samples_per_s", "dice", "eval_loss",
+            "eval_samples"} <= rows[-1].keys()
+    assert rows[-1]["world_size"] == 1 and rows[-1]["eval_samples"] == N_VAL
+    assert rows[-1]["step"] == 10 * math.ceil(N_TRAIN / 8)
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    assert all_background_dice(shapes / "masks") < 0.6  # the best a model that learned nothing does
+    assert rows[-1]["dice"] > 0.85, rows  # 0.94 to 0.98 with seeds 0 to 5
+    assert yaml.safe_load((out / "config.yaml").read_text())["base_channels"] == 16
+    with safe_open(out / "model.safetensors", "pt") as f:
+        meta, keys = f.metadata(), list(f.keys())
+    assert meta["mask_values"] == "0,85,170,255" and meta["input_size"] == f"{SIZE},{SIZE}"
+    assert "outc.weight" in keys and not any(k.startswith("module.") for k in keys)
+    assert "classes: mask values 0,85,170,255" in res.output and f"outputs in {out}/" in res.output
+
+
+def test_two_processes_exact_eval_count_and_lr_schedule(shapes, tmp_path):
+    res = launch([RECIPE, "--dataset", shapes, "--output_dir", tmp_path, "--epochs", 2, "--batch_size", 4,
+                  "--channels_last", *FAST], nproc=2)
+    assert_ok(res)
+    assert "2 process(es) on cpu, gloo" in res.output
+    # PyTorch's SyncBatchNorm has no CPU kernels; the start-up line says what each run uses.
+    assert "BatchNorm per process (SyncBatchNorm needs GPUs)" in res.output
+    rows = read_metrics(tmp_path)
+    steps = math.ceil(math.ceil(N_TRAIN / 4) / 2)  # batches of 4, shared by 2 processes
+    assert [r["eval_samples"] for r in rows] == [N_VAL, N_VAL]
+    assert [r["step"] for r in rows] == [steps, 2 * steps] and rows[0]["world_size"] == 2
+    # Cosine over 2 epochs: half way, half the lr. A scheduler stepped once per process would be at 0.
+    assert rows[1]["lr"] == pytest.approx(LR * 0.5 * (1 + math.cos(math.pi * steps / (2 * steps))))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm runs on GPUs only")
+def test_two_gpus_use_syncbatchnorm(shapes, tmp_path):
+    res = launch([RECIPE, "--dataset", shapes, "--output_dir", tmp_path, "--smoke", *FAST], nproc=2)
+    assert_ok(res)
+    assert "; SyncBatchNorm;" in res.output
+
+
+def test_eval_is_the_same_on_one_and_two_processes(trained, shapes, tmp_path):
+    weights = trained[0] / "model.safetensors"
+    results = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"eval{nproc}"
+        res = launch([RECIPE, "--dataset", shapes, "--output_dir", out, "--eval_only", "--weights", weights, *FAST],
+                     nproc=nproc, env=ONE_THREAD)
+        assert_ok(res)
+        (results[nproc],) = read_metrics(out)
+    assert results[1]["eval_samples"] == results[2]["eval_samples"] == N_VAL
+    assert results[1]["dice"] == pytest.approx(read_metrics(trained[0])[-1]["dice"], abs=1e-6)
+    assert results[2]["dice"] == pytest.approx(results[1]["dice"], abs=1e-3)  # batches differ, not the images
+
+
+def test_predict_writes_masks_at_the_original_size_in_mask_values(trained, shapes, tmp_path):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    Image.open(shapes / "imgs" / "shape_0001.png").resize((61, 37)).save(inputs / "a.png")
+    Image.open(shapes / "imgs" / "shape_0002.png").resize((100, 80)).convert("L").save(inputs / "b.png")
+    Image.open(shapes / "imgs" / "shape_0003.png").save(inputs / "c.jpg")
+    shutil.copy(shapes / "imgs" / "shape_0000.png", inputs / "d.png")
+    sizes = {"a": (61, 37), "b": (100, 80), "c": (SIZE, SIZE), "d": (SIZE, SIZE)}
+    res = launch([RECIPE, "--predict", f"{inputs}/*", "--weights", trained[0] / "model.safetensors",
+                  "--predict_dir", tmp_path / "out", "--overlay", "--eval_batch_size", 3], nproc=2)
+    assert_ok(res)
+    assert "wrote 4 masks" in res.output
+    for name, size in sizes.items():
+        mask = Image.open(tmp_path / "out" / f"{name}_mask.png")
+        assert mask.size == size and mask.mode == "L"
+        assert set(np.unique(np.asarray(mask)).tolist()) <= VALUES
+        assert Image.open(tmp_path / "out" / f"{name}_overlay.png").size == size
+    # On an image from the data, the mask must be close to the true one, in the same values.
+    pred = np.asarray(Image.open(tmp_path / "out" / "d_mask.png"))
+    true = np.asarray(Image.open(shapes / "masks" / "shape_0000_mask.png"))
+    assert (pred == true).mean() > 0.9 and (pred[true > 0] > 0).mean() > 0.5
+
+
+@pytest.fixture(scope="module")
+def unet():
+    """The recipe as a module, for its Config and data functions."""
+    spec = importlib.util.spec_from_file_location("unet_recipe", REPO / RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def copy_with_a_bad_mask(shapes, unet, root, change):
+    """A copy of the data where change() alters the mask that the second process reads first."""
+    shutil.copytree(shapes, root)
+    train, val = unet.open_sources(unet.Config(dataset=str(root), val_fraction=VAL_FRACTION))
+    bad = (train + val)[1][1]  # scan_masks gives rank r the pairs r, r + 2, ...
+    change(Image.open(bad)).save(bad)
+    return bad
+
+
+@pytest.fixture(scope="module")
+def bad_shapes(shapes, unet, tmp_path_factory):
+    """The mask that the second process reads first holds the value 7."""
+    def with_7(mask):
+        return Image.fromarray(np.where(np.arange(SIZE) == 3, 7, mask).astype(np.uint8))
+
+    root = tmp_path_factory.mktemp("bad_shapes") / "data"
+    return root, copy_with_a_bad_mask(shapes, unet, root, with_7)
+
+
+def test_a_mask_value_outside_mask_values_stops_every_rank_with_one_line(bad_shapes, tmp_path):
+    root, bad = bad_shapes
+    res = launch([RECIPE, "--dataset", root, "--output_dir", tmp_path, "--mask_values", "0,85,170,255", "--smoke",
+                  *FAST], nproc=2)
+    # Rank 1 reads the bad mask, yet the error is printed, and only rank 0 prints: the problem
+    # reached rank 0 through the gather. The launcher then reports the failed ranks.
+    assert res.returncode != 0, res
+    assert "terminate called" not in res.output and "DataError" not in res.output, res
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: mask {bad} has value 7, which is not one of mask_values 0,85,170,255: "
+                      f"fix the mask, or list the value in --mask_values"], res
+
+
+def test_a_mask_that_does_not_fit_its_image_stops_every_rank_with_one_line(shapes, unet, tmp_path):
+    bad = copy_with_a_bad_mask(shapes, unet, tmp_path / "data", lambda m: m.resize((SIZE, SIZE - 1)))
+    res = launch([RECIPE, "--dataset", tmp_path / "data", "--output_dir", tmp_path, "--smoke", *FAST], nproc=2)
+    assert res.returncode != 0 and "DataError" not in res.output, res
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: mask {bad} is {SIZE}x{SIZE - 1}, its image {SIZE}x{SIZE}"], res
+
+
+def test_an_odd_mask_value_found_by_inference_is_named(bad_shapes, tmp_path):
+    root, bad = bad_shapes
+    res = launch([RECIPE, "--dataset", root, "--output_dir", tmp_path, "--smoke", *FAST], launcher="python")
+    assert res.returncode == 2, res
+    (error,) = res.output.strip().splitlines()
+    assert "the masks hold 5 values (0,7,85,170,255) where num_classes 4 expects 4" in error
+    assert f"the rarest, 7, is in 1 mask(s), such as {bad}" in error
+
+
+def test_binary_masks_from_a_datasets_folder(shapes, tmp_path):
+    """The other data path (parquet files with image and mask columns) and the 1-class model:
+    masks of 0/255, resize, crop, bilinear upsampling and the plateau schedule, then predict."""
+    import datasets
+
+    images, masks = sorted((shapes / "imgs").glob("*.png")), sorted((shapes / "masks").glob("*.png"))
+    binary = [Image.fromarray(np.where(np.asarray(Image.open(m)) > 0, 255, 0).astype(np.uint8)) for m in masks]
+    features = datasets.Features({"image": datasets.Image(), "mask": datasets.Image()})
+    for split, rows in (("train", slice(0, 40)), ("validation", slice(40, 51))):
+        ds = datasets.Dataset.from_dict({"image": [str(p) for p in images[rows]], "mask": binary[rows]}, features)
+        ds.to_parquet(str(tmp_path / f"{split}.parquet"))
+    out = tmp_path / "out"
+    res = launch([RECIPE, "--dataset", tmp_path, "--output_dir", out, "--smoke", "--num_classes", 1, "--image_size",
+                  40, "--crop_size", 32, "--bilinear", "--scheduler", "plateau", *FAST], launcher="python",
+                 env=ONE_THREAD)
+    assert_ok(res)
+    assert "40 train / 11 validation images of 40x40; classes: mask values 0,255 (one sigmoid output)" in res.output
+    (row,) = read_metrics(out)
+    assert row["eval_samples"] == 11 and row["step"] == 5 and row["lr"] == LR and 0 <= row["dice"] <= 1
+    res = launch([RECIPE, "--predict", images[60], "--weights", out / "model.safetensors", "--predict_dir", out],
+                 launcher="python", env=ONE_THREAD)
+    assert_ok(res)
+    mask = Image.open(out / f"{images[60].stem}_mask.png")
+    assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= {0, 255}
+
+
+def test_bad_settings_are_rejected(unet):
+    for args, message in [
+        (["--mask_values", "0,x"], "mask_values must be distinct non-negative integers"),
+        (["--mask_values", "0,255"], "mask_values needs one value per class (4 for num_classes 4)"),
+        (["--num_classes", "1", "--mask_values", "0,1,2"], "(2 for num_classes 1)"),
+        (["--crop_size", "64", "--image_size", "48"], "crop_size cannot exceed image_size"),
+        (["--image_size", "20"], "image_size must be 0 or at least 32"),
+        (["--scheduler", "step"], "scheduler must be cosine or plateau"),
+        (["--predict", "x.png"], "predict needs weights"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_config(unet.Config, args)
+
+
+def test_missing_default_data_says_how_to_make_it(unet, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=re.escape("data/shapes does not exist yet: write it with `make data/shapes`")):
+        unet.open_sources(unet.Config())
