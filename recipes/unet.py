@@ -13,7 +13,7 @@ comments mark what to change for your data.
 import glob
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -32,11 +32,15 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor, resize
 from tqdm.auto import tqdm
 
-from common.checkpoint import load_weights, save_weights
+from common.checkpoint import (
+    find_checkpoint, list_checkpoints, load_checkpoint, load_weights, save_checkpoint, save_weights,
+)
 from common.config import UserError, require, save_config
 from common.data import DataError, load_splits
 from common.metrics import MetricsLog, RunningMean, Throughput, peak_memory_mb
-from common.runtime import build_accelerator, close, describe, make_output_dir, run
+from common.runtime import (
+    NonFiniteLoss, build_accelerator, close, describe, elastic_restart, make_output_dir, run, stop_requested, tracker,
+)
 
 
 @dataclass
@@ -73,10 +77,18 @@ class Config:
     gradient_accumulation_steps: int = 1  # optimizer step every N batches
     seed: int = 0  # model init, data order and augmentation; same seed, same run
     num_workers: int = 2  # DataLoader workers per process: images are decoded from disk at every read
+    max_steps: int = 0  # stop after this many optimizer steps (0: train all epochs)
+    # Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume.
+    checkpoint_every_steps: int = 0  # also write one every N optimizer steps (0: only at epoch ends)
+    keep_checkpoints: int = 3  # delete older ones
+    resume: Optional[str] = None  # "latest" or a checkpoint folder; torchrun restarts resume from latest
+    # Logging (metrics.jsonl is always written).
+    log_with: str = "none"  # none, tensorboard or wandb (pip install -r requirements-extras.txt)
+    log_every: int = 20  # optimizer steps between logged training scalars; image panels at every evaluation
     # Modes.
     smoke: bool = False  # train smoke_steps steps of one epoch, then evaluate: for tests and CI
     smoke_steps: int = 5
-    eval_only: bool = False  # evaluate `weights` on the validation images and stop
+    eval_only: bool = False  # evaluate `weights` (or the `resume` checkpoint) on the validation images and stop
     weights: Optional[str] = None  # model.safetensors (or a state_dict .pt) to start from
     predict: Optional[str] = None  # image file or glob: write masks with `weights`, whose file holds the model settings
     predict_dir: Optional[str] = None  # where predict writes NAME_mask.png; default output_dir/predictions
@@ -104,7 +116,10 @@ class Config:
             require(len(parse_values(self.mask_values, "--mask_values")) == value_count(self.num_classes),
                     f"mask_values needs one value per class ({value_count(self.num_classes)} for num_classes "
                     f"{self.num_classes}), got {self.mask_values!r}")
-        require(not self.eval_only or self.weights, "eval_only needs weights: add --weights PATH/model.safetensors")
+        require(self.max_steps >= 0 and self.checkpoint_every_steps >= 0, "max_steps and checkpoint_every_steps cannot be negative")
+        require(self.keep_checkpoints >= 1 and self.log_every >= 1, "keep_checkpoints and log_every must be at least 1")
+        require(not (self.weights and self.resume), "weights and resume both load a model: pass one of them")
+        require(not self.eval_only or self.weights or self.resume, "eval_only needs --weights FILE or --resume CHECKPOINT")
         require(not self.predict or self.weights, "predict needs weights: add --weights PATH/model.safetensors")
         require(not (self.predict and self.eval_only), "choose one of predict and eval_only")
 
@@ -297,10 +312,15 @@ def mask_values_and_size(cfg, found, sizes, stored_values):
 
 
 class SegmentationSet(Dataset):
-    """(uint8 image [3, H, W], int64 class indices [H, W]) after the joint transforms."""
+    """(uint8 image [3, H, W], int64 class indices [H, W]) after the joint transforms.
 
-    def __init__(self, source, values, transform):
-        self.source, self.values, self.transform = source, values, transform
+    The random transforms of sample i in epoch e draw from a generator seeded with (seed, e, i):
+    the same augmentation whatever the number of workers or processes, and after a resume.
+    The recipe sets `epoch` before each epoch; workers get a fresh copy of the dataset then.
+    """
+
+    def __init__(self, source, values, transform, seed):
+        self.source, self.values, self.transform, self.seed, self.epoch = source, values, transform, seed, 0
 
     def __len__(self):
         return len(self.source)
@@ -311,7 +331,9 @@ class SegmentationSet(Dataset):
         for c, v in enumerate(self.values):  # scan_masks made sure that no other value occurs
             mask[values == v] = c
         image = tv_tensors.Image(pil_to_tensor(image.convert("RGB")))
-        image, mask = self.transform(image, tv_tensors.Mask(torch.from_numpy(mask)))
+        with torch.random.fork_rng(devices=[]):  # leave the global RNG (dropout, init) untouched
+            torch.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + i)
+            image, mask = self.transform(image, tv_tensors.Mask(torch.from_numpy(mask)))
         return image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor)
 
 
@@ -321,9 +343,13 @@ def make_loaders(cfg, train_source, val_source, values):
     crop = [v2.RandomCrop(cfg.crop_size)] if cfg.crop_size else []
     train_tf = v2.Compose([*sized, *crop, v2.RandomHorizontalFlip(cfg.hflip), v2.RandomVerticalFlip(cfg.vflip)])
     val_tf = v2.Compose(sized) if sized else v2.Identity()
-    return (DataLoader(SegmentationSet(train_source, values, train_tf), cfg.batch_size, shuffle=True,
-                       num_workers=cfg.num_workers),
-            DataLoader(SegmentationSet(val_source, values, val_tf), cfg.eval_batch_size, num_workers=cfg.num_workers))
+    # Each loader has its own generator, so starting an epoch does not draw from the global RNG
+    # and a resumed run continues with the same random numbers as an uninterrupted one.
+    def loader(source, transform, batch_size, shuffle):
+        return DataLoader(SegmentationSet(source, values, transform, cfg.seed), batch_size, shuffle=shuffle,
+                          num_workers=cfg.num_workers, generator=torch.Generator().manual_seed(cfg.seed))
+
+    return loader(train_source, train_tf, cfg.batch_size, True), loader(val_source, val_tf, cfg.eval_batch_size, False)
 
 
 def prepare_input(x, cfg):
@@ -354,11 +380,26 @@ def dice_counts(logits, target, num_classes):
     return (pred & true).sum((2, 3)), pred.sum((2, 3)) + true.sum((2, 3))
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, epoch):
-    """One pass over this process's shard: mean loss over all ranks, global images/s, optimizer steps."""
+def save(accelerator, cfg, progress, scheduler, values):
+    """A checkpoint: Accelerate's state plus where we are in the data, the LR schedule, the classes."""
+    state = {"recipe": "unet", "world_size": accelerator.num_processes, **progress,
+             "scheduler": scheduler.state_dict(), "mask_values": values}
+    return save_checkpoint(accelerator, Path(cfg.output_dir) / "checkpoints", progress["step"], state,
+                           cfg.keep_checkpoints)
+
+
+def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress, values):
+    """One pass over this process's shard (or what is left of it after a resume).
+
+    `progress` (epoch, batches_done, step) is updated in place. Returns the epoch's metrics and
+    whether to stop: max_steps reached, or Ctrl-C / SIGTERM (a checkpoint is written first).
+    A nan or inf loss stops the run before it can be written into a checkpoint.
+    """
     model.train()
-    loss_mean, speed, steps, skipped = RunningMean(accelerator.device), Throughput(), 0, 0
-    for x, y in tqdm(loader, f"epoch {epoch}", disable=not accelerator.is_main_process, leave=False):
+    loss_mean, speed, skipped, stop = RunningMean(accelerator.device), Throughput(), 0, False
+    nonfinite, window, window_speed = NonFiniteLoss(accelerator.device), RunningMean(accelerator.device), Throughput()
+    max_steps = cfg.smoke_steps if cfg.smoke else cfg.max_steps
+    for x, y in tqdm(loader, f"epoch {progress['epoch']}", disable=not accelerator.is_main_process, leave=False):
         with accelerator.accumulate(model):
             loss = loss_per_image(model(prepare_input(x, cfg)), y, cfg.num_classes).mean()
             accelerator.backward(loss)
@@ -366,47 +407,70 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, epoch
                 accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad()
-        if accelerator.sync_gradients:
-            steps += 1
-            skipped += accelerator.optimizer_step_was_skipped  # fp16: the scaler skipped an overflowing step
-            # We step the scheduler ourselves, once per optimizer step: a prepared one steps
-            # num_processes times per call, and its schedule would end early on N processes.
-            if scheduler is not None and not accelerator.optimizer_step_was_skipped:
-                scheduler.step()
-        loss_mean.update(loss.detach(), len(y))
+        progress["batches_done"] += 1
+        for meter in (loss_mean, window):
+            meter.update(loss.detach(), len(y))
         speed.update(len(y))
-        if cfg.smoke and steps >= cfg.smoke_steps:
+        window_speed.update(len(y))
+        if not accelerator.sync_gradients:  # still accumulating
+            continue
+        progress["step"] += 1
+        skipped += accelerator.optimizer_step_was_skipped  # fp16: the scaler skipped an overflowing step
+        # We step the cosine schedule ourselves, once per optimizer step: a prepared one steps
+        # num_processes times per call, and its schedule would end early on N processes.
+        if cfg.scheduler == "cosine" and not accelerator.optimizer_step_was_skipped:
+            scheduler.step()
+        nonfinite.update(loss, progress["step"])
+        if cfg.log_with != "none" and progress["step"] % cfg.log_every == 0:  # all ranks: compute() is a collective
+            accelerator.log({"train/loss": window.compute(accelerator), "train/lr": optimizer.param_groups[0]["lr"],
+                             "train/samples_per_s": window_speed.compute(accelerator.num_processes)},
+                            step=progress["step"])
+            window, window_speed = RunningMean(accelerator.device), Throughput()
+        stop = stop_requested(accelerator, progress["step"]) or progress["step"] == max_steps
+        checkpoint = cfg.checkpoint_every_steps and progress["step"] % cfg.checkpoint_every_steps == 0
+        if stop or checkpoint or progress["step"] % 10 == 0:
+            nonfinite.check(accelerator, Path(cfg.output_dir) / "checkpoints")
+        if stop or checkpoint:
+            save(accelerator, cfg, progress, scheduler, values)
+        if stop:
             break
     return {
         "train_loss": loss_mean.compute(accelerator),
         "train_samples_per_s": speed.compute(accelerator.num_processes),
         "skipped_steps": skipped,
         "peak_memory_mb": peak_memory_mb(accelerator.device),
-        "steps": steps,
-    }
+    }, stop
 
 
 @torch.inference_mode()
-def evaluate(model, loader, accelerator, cfg):
+def evaluate(model, loader, accelerator, cfg, panels=False):
     """Dice of hard predictions on the validation images, exact on any number of processes.
 
     The Dice of an image is the mean, over the foreground classes (all but class 0; the one class
     of a 1-class model), of 2 |pred & true| / (|pred| + |true|), where a class absent from both
     prediction and mask scores 1. `dice` is the mean over images. The per-image counts go through
     gather_for_metrics, which drops the padding that evens out the last batch, so each validation
-    image counts exactly once.
+    image counts exactly once. With `panels`, also returns image | prediction | truth panels of
+    the main process's first batch, for the tracker.
     """
     model.eval()
     dice_sum = loss_sum = images = 0.0
+    panel = None
     for x, y in loader:
         logits = model(prepare_input(x, cfg))
+        if panels and panel is None:
+            pred = (logits[:, 0] > 0).long() if cfg.num_classes == 1 else logits.argmax(1)
+            colour = torch.tensor(np.vstack([(0, 0, 0), PALETTE]), device=x.device, dtype=torch.uint8)
+            def paint(classes):
+                return colour[classes % len(colour)].permute(0, 3, 1, 2)
+            panel = torch.cat([x[:4], paint(pred[:4]), paint(y[:4])], dim=3).float() / 255
         counts = (*dice_counts(logits, y, cfg.num_classes), loss_per_image(logits, y, cfg.num_classes))
         inter, total, loss = accelerator.gather_for_metrics(counts)
         dice = torch.where(total == 0, 1.0, 2 * inter / total.clamp(min=1))
         dice_sum += dice.double().mean(1).sum().item()
         loss_sum += loss.double().sum().item()
         images += len(loss)
-    return {"dice": dice_sum / images, "eval_loss": loss_sum / images, "eval_samples": int(images)}
+    return {"dice": dice_sum / images, "eval_loss": loss_sum / images, "eval_samples": int(images)}, panel
 
 
 def weights_metadata(path):
@@ -465,16 +529,21 @@ def predict(cfg, accelerator):
 
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
-    accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s)
+    out = make_output_dir(cfg.output_dir)
+    accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s,
+                                    log_with=tracker(cfg.log_with), project_dir=out)
     set_seed(cfg.seed)
     if cfg.predict:
         predict(cfg, accelerator)
         close(accelerator)
         return
-    out = make_output_dir(cfg.output_dir)
+    resume = "latest" if elastic_restart() and not cfg.resume else cfg.resume
+    if not resume and not cfg.eval_only and list_checkpoints(out / "checkpoints"):
+        raise UserError(f"{out} holds checkpoints of an earlier run: add --resume latest, or pick another --output_dir")
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
     metrics = MetricsLog(out / "metrics.jsonl", accelerator.is_main_process)
+    accelerator.init_trackers("unet", config=asdict(cfg))  # TensorBoard or wandb, if log_with says so
 
     # 2. Data: every process finds the pairs (the datasets cache is locked, so one download serves
     # all, and bad data fails alike on every rank), reads a share of the masks, and learns all values.
@@ -515,33 +584,70 @@ def main(cfg):
         f"{','.join(map(str, values))}{' (one sigmoid output)' if cfg.num_classes == 1 else ''}"
     )
 
-    # 4. Train, evaluating after every epoch.
-    if cfg.eval_only:
-        result = evaluate(model, val_loader, accelerator, cfg)
-        metrics.write(epoch=None, step=0, world_size=accelerator.num_processes, weights=cfg.weights, **result)
-    else:
-        step = 0
-        for epoch in range(1, (1 if cfg.smoke else cfg.epochs) + 1):
-            train_loader.set_epoch(epoch)  # a new order every epoch, the same on every rank
-            lr = optimizer.param_groups[0]["lr"]
-            per_step = scheduler if cfg.scheduler == "cosine" else None
-            train = train_one_epoch(model, train_loader, optimizer, per_step, accelerator, cfg, epoch)
-            step += train.pop("steps")
-            result = evaluate(model, val_loader, accelerator, cfg)
+    # 4. Resume: weights, optimizer, RNG of every rank, LR schedule, and the position in the data.
+    progress = {"epoch": 1, "batches_done": 0, "step": 0, "best_dice": -1.0}
+    checkpoint = find_checkpoint(resume, out / "checkpoints") if resume else None
+    if checkpoint:
+        state = load_checkpoint(accelerator, checkpoint, recipe="unet")
+        if state["mask_values"] != values:
+            raise DataError(f"checkpoint {checkpoint} maps mask values {state['mask_values']}, this data "
+                            f"{values}: set --mask_values to match, or start a new run")
+        scheduler.load_state_dict(state["scheduler"])
+        progress = {k: state[k] for k in progress}
+        accelerator.print(f"resumed from {checkpoint} (epoch {progress['epoch']}, step {progress['step']})")
+    # What predict needs to rebuild the model and write masks travels inside the weights file.
+    settings = {"recipe": "unet", "mask_values": ",".join(map(str, values)), "num_classes": cfg.num_classes,
+                "base_channels": cfg.base_channels, "bilinear": cfg.bilinear, "input_size": "%d,%d" % input_size}
+
+    # 5. Train, evaluating after every epoch.
+    epochs = 1 if cfg.smoke else cfg.epochs
+    result, interrupted = None, False
+    while not cfg.eval_only and progress["epoch"] <= epochs:
+        epoch = progress["epoch"]
+        train_loader.set_epoch(epoch)  # a new order every epoch, the same on every rank
+        train_loader.dataset.epoch = epoch  # and new augmentations
+        loader = train_loader
+        if progress["batches_done"]:  # resumed mid-epoch: skip what this epoch already trained on
+            loader = accelerator.skip_first_batches(train_loader, progress["batches_done"])
+        lr = optimizer.param_groups[0]["lr"]
+        train, stop = train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress, values)
+        interrupted = stop and stop_requested(accelerator, 0)
+        if interrupted:
+            break
+        result, panel = evaluate(model, val_loader, accelerator, cfg, panels=cfg.log_with != "none")
+        if not stop:  # the epoch is complete
             if cfg.scheduler == "plateau":
                 scheduler.step(result["dice"])
-            metrics.write(epoch=epoch, step=step, world_size=accelerator.num_processes, lr=lr, **train, **result)
-            accelerator.print(
-                f"epoch {epoch}: train loss {train['train_loss']:.4f}, dice {result['dice']:.4f} "
-                f"({result['eval_samples']} images), {train['train_samples_per_s']:.0f} images/s"
-            )
-        # What predict needs to rebuild the model and write masks travels inside the weights file.
-        settings = {"mask_values": ",".join(map(str, values)), "num_classes": cfg.num_classes,
-                    "base_channels": cfg.base_channels, "bilinear": cfg.bilinear, "input_size": "%d,%d" % input_size}
-        save_weights(accelerator, model, out / "model.safetensors", {"recipe": "unet", **settings})
+            progress.update(epoch=epoch + 1, batches_done=0)
+            if result["dice"] > progress["best_dice"]:
+                progress["best_dice"] = result["dice"]
+                save_weights(accelerator, model, out / "best.safetensors", {**settings, "epoch": epoch, **result})
+            save(accelerator, cfg, progress, scheduler, values)
+        metrics.write(epoch=epoch, step=progress["step"], world_size=accelerator.num_processes, lr=lr,
+                      **train, **result)
+        accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=progress["step"])
+        if panel is not None:
+            for t in accelerator.trackers:  # trackers exist on the main process only
+                t.log_images({"eval/image_prediction_truth": panel.cpu()}, step=progress["step"])
+        accelerator.print(
+            f"epoch {epoch}: train loss {train['train_loss']:.4f}, dice {result['dice']:.4f} "
+            f"({result['eval_samples']} images), {train['train_samples_per_s']:.0f} images/s"
+        )
+        if stop:  # max_steps reached
+            break
 
-    accelerator.print(f"dice {result['dice']:.4f} on {result['eval_samples']} validation images; outputs in {out}/")
-    # 5. Exit cleanly: drop what holds the process group, then close it.
+    if interrupted:
+        accelerator.print(f"stopped at step {progress['step']}; continue with --resume latest")
+    else:
+        if result is None:  # eval_only, or a resumed run that had nothing left to train
+            result, _ = evaluate(model, val_loader, accelerator, cfg)
+            metrics.write(epoch=None, step=progress["step"], world_size=accelerator.num_processes,
+                          weights=str(cfg.weights or checkpoint), **result)
+        if not cfg.eval_only:
+            save_weights(accelerator, model, out / "model.safetensors", settings)
+        accelerator.print(f"dice {result['dice']:.4f} on {result['eval_samples']} validation images; outputs in {out}/")
+
+    # 6. Exit cleanly: drop what holds the process group, then close it.
     del model, optimizer, scheduler, train_loader, val_loader
     close(accelerator)
 

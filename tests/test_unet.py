@@ -234,3 +234,36 @@ def test_missing_default_data_says_how_to_make_it(unet, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError, match=re.escape("data/shapes does not exist yet: write it with `make data/shapes`")):
         unet.open_sources(unet.Config())
+
+
+def test_stop_and_resume_is_bit_identical_with_workers(shapes, tmp_path):
+    # Augmentation is seeded per (seed, epoch, sample), so even with 2 workers a resumed run
+    # sees the same crops and flips as an uninterrupted one.
+    from safetensors.torch import load_file
+
+    args = [RECIPE, "--dataset", shapes, *FAST, "--num_workers", 2, "--base_channels", 8, "--epochs", 2,
+            "--batch_size", 8]
+    assert_ok(launch([*args, "--output_dir", tmp_path / "straight", "--max_steps", 12], env=ONE_THREAD))
+    assert_ok(launch([*args, "--output_dir", tmp_path / "split", "--max_steps", 5], env=ONE_THREAD))
+    res = launch([*args, "--output_dir", tmp_path / "split", "--max_steps", 12, "--resume", "latest"], env=ONE_THREAD)
+    assert_ok(res)
+    assert "(epoch 1, step 5)" in res.output
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "split"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tensorboard_gets_scalars_and_image_panels(shapes, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    res = launch([RECIPE, "--dataset", shapes, *FAST, "--output_dir", tmp_path, "--epochs", 2, "--batch_size", 8,
+                  "--log_with", "tensorboard", "--log_every", 2], nproc=2)
+    assert_ok(res)
+    (events,) = (tmp_path / "unet").glob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events), size_guidance={"images": 10})
+    acc.Reload()
+    assert {"train/loss", "eval/dice"} <= set(acc.Tags()["scalars"])
+    rows = read_metrics(tmp_path)
+    assert [e.step for e in acc.Scalars("eval/dice")] == [r["step"] for r in rows]
+    images = acc.Images("eval/image_prediction_truth")
+    assert [e.step for e in images] == [r["step"] for r in rows]
+    assert images[0].width == 4 * 3 * images[0].height  # 4 panels of image | prediction | truth, in a row
