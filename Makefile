@@ -4,17 +4,17 @@ BIN := $(VENV)/bin
 DEMO_OUT ?= runs/mnist-demo
 UNET_DEMO_OUT ?= runs/unet-demo
 
-.PHONY: help venv demo demo-unet demo-ddp test stress clean
+.PHONY: help venv demo demo-unet demo-ddp test stress gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-$(BIN)/.installed: requirements.txt
+$(BIN)/.installed: requirements.txt requirements-extras.txt
 	python3 -m venv $(VENV)
-	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/pip install --quiet -r requirements.txt -r requirements-extras.txt
 	touch $@
 
-venv: $(BIN)/.installed  ## create .venv from requirements.txt (done by the other targets when missing)
+venv: $(BIN)/.installed  ## create .venv from requirements*.txt (done by the other targets when missing)
 
 demo: $(BIN)/.installed  ## train MNIST on the shipped 4000-digit sample, then a U-Net on data/shapes, on the CPU
 	$(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/mnist.py \
@@ -42,6 +42,9 @@ stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean e
 .PHONY: bench
 bench: $(BIN)/.installed  ## recipe loop vs compute bound vs classic loop, and start-up time (runs/bench/bench.json)
 	$(BIN)/python scripts/bench.py
+
+gpu-check: $(BIN)/.installed data/shapes  ## on a GPU: both recipes in fp32, fp16 and bf16, as a table
+	$(BIN)/python scripts/gpu_check.py
 
 clean:  ## remove runs/ and caches (keeps .venv)
 	rm -rf runs .pytest_cache

@@ -15,6 +15,7 @@ import gc
 import os
 import signal
 import sys
+import time
 
 from pathlib import Path
 
@@ -214,7 +215,8 @@ def run(main, config_class, argv=None):
     Ctrl-C and SIGTERM only set a flag that the training loop polls (`stop_requested`), so
     the recipe can write a checkpoint and exit cleanly on every rank (status 130).
 
-    A UserError (bad config, bad data) is expected on every rank, so only rank 0 prints it.
+    A UserError (bad config, bad data) usually happens on every rank, so rank 0 prints it and
+    the others wait a moment for the launcher to stop them.
     `--debug` shows the full traceback instead. Other exceptions keep their traceback.
     """
     debug = "--debug" in (sys.argv if argv is None else argv)
@@ -223,8 +225,12 @@ def run(main, config_class, argv=None):
     except UserError as e:
         if debug:
             raise
-        if _rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        if _rank() != 0:
+            # Rank 0 usually fails the same way and prints it, and the launcher then stops this
+            # process. If rank 0 did not fail (the error is this rank's own), say it after a moment.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(3)
+        print(f"error: {e}" if _rank() == 0 else f"error (rank {_rank()}): {e}", file=sys.stderr, flush=True)
         code = 2
     else:
         code = 130 if _stop.requested else 0  # 128 + SIGINT: stopped early, but cleanly
