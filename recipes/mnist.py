@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from common.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint, load_weights, save_checkpoint, save_weights
 from common.config import UserError, require, save_config
+from common.determinism import set_deterministic
 from common.data import DataError, load_splits
 from common.metrics import MetricsLog, RunningMean, Throughput, peak_memory_mb
 from common.runtime import (
@@ -49,7 +50,9 @@ class Config:
     lr: float = 1.0  # Adadelta learning rate
     gamma: float = 0.7  # learning rate multiplier after every epoch
     gradient_accumulation_steps: int = 1  # optimizer step every N batches
+    scale_lr: bool = False  # multiply lr by processes x accumulation steps (the linear scaling rule)
     seed: int = 1  # model init and data order; same seed, same run
+    deterministic: bool = False  # bit-repeatable GPU runs, slower (see common/determinism.py)
     num_workers: int = 0  # DataLoader workers per process; the data is already decoded in memory
     max_steps: int = 0  # stop after this many optimizer steps (0: train all epochs)
     # Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume.
@@ -221,6 +224,7 @@ def main(cfg):
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s,
                                     log_with=tracker(cfg.log_with), project_dir=out)
     set_seed(cfg.seed)
+    set_deterministic(cfg.deterministic)
     resume = "latest" if elastic_restart() and not cfg.resume else cfg.resume
     if not resume and not cfg.eval_only and list_checkpoints(out / "checkpoints"):
         raise UserError(f"{out} holds checkpoints of an earlier run: add --resume latest, or pick another --output_dir")
@@ -243,13 +247,14 @@ def main(cfg):
     model = BasicNet()
     if cfg.weights:
         load_weights(model, cfg.weights)
-    optimizer = torch.optim.Adadelta(model.parameters(), lr=cfg.lr)
+    lr = cfg.lr * (accelerator.num_processes * cfg.gradient_accumulation_steps if cfg.scale_lr else 1)
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=lr)
     # Stepped once per epoch, so it is not prepared: a prepared scheduler steps once per process.
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma)
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
     accelerator.print(
         f"mnist: {describe(accelerator, cfg.batch_size)}; "
-        f"{len(train_loader.dataset)} train / {len(test_loader.dataset)} test samples; outputs to {out}/"
+        f"lr {lr:g}; {len(train_loader.dataset)} train / {len(test_loader.dataset)} test samples; outputs to {out}/"
     )
 
     # 4. Resume: weights, optimizer, RNG of every rank, LR schedule, and the position in the data.

@@ -36,6 +36,7 @@ from common.checkpoint import (
     find_checkpoint, list_checkpoints, load_checkpoint, load_weights, save_checkpoint, save_weights,
 )
 from common.config import UserError, require, save_config
+from common.determinism import set_deterministic
 from common.data import DataError, load_splits
 from common.metrics import MetricsLog, RunningMean, Throughput, peak_memory_mb
 from common.runtime import (
@@ -75,7 +76,9 @@ class Config:
     scheduler: str = "cosine"  # cosine: to 0 over all optimizer steps; plateau: x0.1 after 5 evals with no better dice
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
     gradient_accumulation_steps: int = 1  # optimizer step every N batches
+    scale_lr: bool = False  # multiply lr by processes x accumulation steps (the linear scaling rule)
     seed: int = 0  # model init, data order and augmentation; same seed, same run
+    deterministic: bool = False  # bit-repeatable GPU runs, slower; cudnn.benchmark when off (common/determinism.py)
     num_workers: int = 2  # DataLoader workers per process: images are decoded from disk at every read
     max_steps: int = 0  # stop after this many optimizer steps (0: train all epochs)
     # Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume.
@@ -533,6 +536,7 @@ def main(cfg):
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s,
                                     log_with=tracker(cfg.log_with), project_dir=out)
     set_seed(cfg.seed)
+    set_deterministic(cfg.deterministic)
     if cfg.predict:
         predict(cfg, accelerator)
         close(accelerator)
@@ -564,7 +568,8 @@ def main(cfg):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # Accelerate leaves BatchNorm per process
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    lr = cfg.lr * (accelerator.num_processes * cfg.gradient_accumulation_steps if cfg.scale_lr else 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
     model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
     steps_per_epoch = math.ceil(len(train_loader) / cfg.gradient_accumulation_steps)  # len: this process's share
     total_steps = min(cfg.smoke_steps, steps_per_epoch) if cfg.smoke else cfg.epochs * steps_per_epoch
@@ -579,7 +584,7 @@ def main(cfg):
     else:
         norm = "BatchNorm"
     accelerator.print(
-        f"unet: {describe(accelerator, cfg.batch_size)}; {norm}; {len(train_loader.dataset)} train / "
+        f"unet: {describe(accelerator, cfg.batch_size)}; lr {lr:g}; {norm}; {len(train_loader.dataset)} train / "
         f"{len(val_loader.dataset)} validation images of {input_size[1]}x{input_size[0]}; classes: mask values "
         f"{','.join(map(str, values))}{' (one sigmoid output)' if cfg.num_classes == 1 else ''}"
     )

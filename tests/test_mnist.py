@@ -1,7 +1,6 @@
 """The MNIST recipe, launched as users launch it, on tiny real-digit data."""
 
 import json
-import shutil
 import uuid
 
 import pytest
@@ -43,11 +42,12 @@ def test_two_process_ddp_exact_eval_count(tiny_mnist, tmp_path):
     # 1001 test samples over 2 processes x batch 64: the last batch is padded with duplicates,
     # and every one of them must be dropped from the count.
     res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--smoke",
-                  "--batch_size", 16, "--eval_batch_size", 64], nproc=2)
+                  "--batch_size", 16, "--eval_batch_size", 64, "--scale_lr"], nproc=2)
     assert_ok(res)
     assert "2 process(es) on cpu, gloo" in res.output
     (row,) = read_metrics(tmp_path)
     assert row["world_size"] == 2 and row["eval_samples"] == N_TEST and row["step"] == 5
+    assert row["lr"] == 2.0  # scale_lr: lr 1.0 x 2 processes
 
 
 def test_eval_is_identical_on_one_and_two_processes(trained, tiny_mnist, tmp_path):
@@ -102,12 +102,32 @@ def test_gradient_accumulation_counts_optimizer_steps(tiny_mnist, tmp_path):
     assert row["step"] == N_TRAIN // 64
 
 
-def test_a_copy_of_the_recipe_is_a_working_template(tiny_mnist, tmp_path):
+TINY_MODEL = """
+class TinyNet(nn.Module):  # the user's own model
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(28 * 28, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(x, 1))
+
+"""
+
+
+def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
+    # What README "Make your own recipe" says: copy, swap the model at the ADAPT places, run.
+    source = (REPO / RECIPE).read_text()
+    assert source.count("model = BasicNet()") == 1
+    source = source.replace("# ADAPT: your model.", TINY_MODEL + "# ADAPT: your model.")
+    source = source.replace("model = BasicNet()", "model = TinyNet()")
     copy = REPO / "recipes" / f"my_recipe_{uuid.uuid4().hex[:8]}.py"
-    shutil.copy(REPO / RECIPE, copy)
+    copy.write_text(source)
     try:
-        res = launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--smoke"], nproc=2)
+        one = launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "one", "--smoke"], launcher="python")
+        two = launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "two", "--smoke"], nproc=2)
     finally:
         copy.unlink()
-    assert_ok(res)
-    assert read_metrics(tmp_path)[0]["eval_samples"] == N_TEST
+    for res, out in ((one, "one"), (two, "two")):
+        assert_ok(res)
+        assert read_metrics(tmp_path / out)[0]["eval_samples"] == N_TEST
+        assert set(load_file(tmp_path / out / "model.safetensors")) == {"fc.weight", "fc.bias"}
