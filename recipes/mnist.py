@@ -109,8 +109,17 @@ class BasicNet(nn.Module):
 MEAN, STD = 0.1307, 0.3081
 
 
+class TensorBatches(TensorDataset):
+    """A TensorDataset that the DataLoader reads a whole batch at a time (`__getitems__`): one
+    indexing operation per batch instead of one per sample plus a collate."""
+
+    def __getitems__(self, indices):
+        indices = torch.as_tensor(indices)
+        return tuple(t[indices] for t in self.tensors)
+
+
 def to_tensors(split, cfg, name):
-    """A datasets.Dataset of 28x28 grey digits -> TensorDataset(uint8 [N,1,28,28], int64 [N])."""
+    """A datasets.Dataset of 28x28 grey digits -> TensorBatches(uint8 [N,1,28,28], int64 [N])."""
     images = split[cfg.image_column]
     bad = next((im for im in images if im.mode != "L" or im.size != (28, 28)), None)
     if bad is not None:
@@ -122,7 +131,7 @@ def to_tensors(split, cfg, name):
     y = torch.tensor(split[cfg.label_column], dtype=torch.int64)
     if y.min() < 0 or y.max() > 9:
         raise DataError(f"{name} split has label {int(y.max() if y.max() > 9 else y.min())}; labels must be 0..9")
-    return TensorDataset(x, y)
+    return TensorBatches(x, y)
 
 
 def make_loaders(cfg):
@@ -133,9 +142,10 @@ def make_loaders(cfg):
     # Each loader gets its own generator: starting an epoch then draws from it rather than from
     # the global RNG that dropout uses, so a resumed run sees the same dropout masks as an
     # uninterrupted one (an extra draw at resume would shift them all).
-    train_loader = DataLoader(train_set, cfg.batch_size, shuffle=True, num_workers=cfg.num_workers,
+    # collate_fn=tuple: TensorBatches already returns the batch as (images, labels).
+    train_loader = DataLoader(train_set, cfg.batch_size, shuffle=True, num_workers=cfg.num_workers, collate_fn=tuple,
                               generator=torch.Generator().manual_seed(cfg.seed))
-    test_loader = DataLoader(test_set, cfg.eval_batch_size, num_workers=cfg.num_workers,
+    test_loader = DataLoader(test_set, cfg.eval_batch_size, num_workers=cfg.num_workers, collate_fn=tuple,
                              generator=torch.Generator().manual_seed(cfg.seed))
     return train_loader, test_loader
 
