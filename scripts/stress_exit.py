@@ -11,9 +11,11 @@ Not part of `make test`: 20 runs take a few minutes.
 """
 
 import argparse
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,10 +46,12 @@ def main():
                    "--main_process_port", str(free_port())]
         else:
             cmd = [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())]
+        out_dir = tempfile.mkdtemp(prefix="stress_exit_")  # a fresh run each time, not a resume
         cmd += [args.recipe, "--dataset", args.dataset, "--smoke", "--num_workers", str(args.num_workers),
-                "--output_dir", f"/tmp/stress_exit/{i}", *args.settings]
+                "--output_dir", out_dir, *args.settings]
         start = time.perf_counter()
         proc = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True, timeout=600)
+        shutil.rmtree(out_dir)
         out = proc.stdout + proc.stderr
         ok = proc.returncode == 0 and "terminate called" not in out
         clean += ok

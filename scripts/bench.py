@@ -1,0 +1,396 @@
+"""How close a recipe's training loop runs to the compute bound, and to the classic tutorial loop.
+
+    python scripts/bench.py                                  # MNIST on data/mnist_sample, CPU or first GPU
+    python scripts/bench.py --reps 7 --json runs/bench/cpu.json
+    python scripts/bench.py --dataset ylecun/mnist --steps 300   # full MNIST (hub or its local cache)
+    accelerate launch --config_file accelerate_configs/bf16.yaml --num_processes 1 scripts/bench.py
+
+One process trains the same model (the recipe's own class, optimizer, batch size and the
+precision of the accelerate config) in three ways:
+
+- recipe:  the recipe as users run it: its make_loaders(), prepared by the Accelerator that
+           common.runtime.build_accelerator() builds, and its own train_one_epoch().
+- bound:   the same training step on batches that are already normalised floats on the device,
+           a fixed list cycled: the compute bound, with no data path at all.
+- classic: the tutorial loop (pytorch/examples mnist): a Dataset that makes a PIL image per
+           sample, ToTensor and Normalize per sample, a default DataLoader (shuffle, batch 64),
+           `.to(device)` per batch. Run with 0 and 1 workers; the faster is compared.
+
+A repetition is `--steps` optimizer steps (default: one full epoch of the train split, so the
+recipe runs exactly as in training: no max_steps, hence no checkpoint inside the timed part).
+After `--warmup` repetitions of each, the variants take turns in rounds (recipe, bound, classic;
+then bound, classic, recipe; ...) so that noise from other work on the machine hits all of them
+alike. Reported: the median and the best repetition of each (on a busy machine the best is the
+least disturbed one), and the median of the per-round ratios.
+All share one torch thread count (`--threads`). Then the recipe is launched `--startup_runs`
+times as a subprocess to time its start-up.
+
+Prints a table and writes JSON (default runs/bench/bench.json). Not a test: the figures depend
+on the machine. Adding a recipe: write a `bench_<name>(args, accelerator)` like bench_mnist and
+add it to RECIPES.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from accelerate.utils import set_seed  # noqa: E402
+from PIL import Image  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from torchvision import transforms  # noqa: E402
+
+from common.metrics import peak_memory_mb  # noqa: E402
+from common.runtime import build_accelerator, close  # noqa: E402
+
+
+def load_recipe(name):
+    """Import recipes/<name>.py as a module, as tests/shard_probe.py does."""
+    spec = importlib.util.spec_from_file_location(f"{name}_recipe", REPO / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sync(device):
+    """Wait for queued GPU work, so that the clock measures the work and not its launch."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def bound_step(accelerator, model, optimizer, x, y):
+    """The training step with nothing around it: the same model, loss, precision and optimizer."""
+    loss = F.cross_entropy(model(x), y)
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+# ---------------------------------------------------------------------------------------- MNIST
+
+
+class ClassicMNIST(Dataset):
+    """What torchvision.datasets.MNIST does per sample: uint8 array -> PIL image -> transform."""
+
+    def __init__(self, images, labels):
+        self.images, self.labels = images, labels  # uint8 [N, 28, 28], int64 [N]
+        self.transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return self.transform(Image.fromarray(self.images[i])), int(self.labels[i])
+
+
+def bench_mnist(args, accelerator):
+    """Set up the MNIST variants. Returns (info, {variant: setup}), where setup() builds the
+    variant and returns rep(): train one repetition and return the number of samples."""
+    mnist = load_recipe("mnist")
+    device = accelerator.device
+    cfg = mnist.Config(dataset=args.dataset, output_dir=args.workdir, max_steps=0, checkpoint_every_steps=0)
+    cfg.validate()
+    train_loader, _ = mnist.make_loaders(cfg)  # the recipe's own data path
+    train_set = train_loader.dataset
+    images, labels = train_set.tensors  # uint8 [N, 1, 28, 28], int64 [N]
+    epoch_steps = len(train_loader)
+    steps = args.steps or epoch_steps
+    if steps > epoch_steps:
+        raise SystemExit(f"error: --steps {steps} is more than one epoch ({epoch_steps} steps) of {cfg.dataset}")
+    # The same batch sizes in every variant: the last `steps` batches of an epoch (the recipe
+    # reaches them through skip_first_batches, its own mid-epoch resume path).
+    sizes = [cfg.batch_size] * epoch_steps
+    sizes[-1] = len(train_set) - cfg.batch_size * (epoch_steps - 1)
+    sizes = sizes[epoch_steps - steps:]
+
+    def new_model():
+        set_seed(cfg.seed)  # the same initial weights in every variant
+        model = mnist.BasicNet()
+        optimizer = torch.optim.Adadelta(model.parameters(), lr=cfg.lr)
+        return model, optimizer
+
+    def setup_recipe():
+        model, optimizer = new_model()
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, train_loader)
+        progress = {"epoch": 1, "batches_done": 0, "step": 0, "best_accuracy": -1.0}
+
+        def rep():
+            loader.set_epoch(progress["epoch"])  # as main() does: a new order every epoch
+            skip = epoch_steps - steps
+            epoch_loader = accelerator.skip_first_batches(loader, skip) if skip else loader
+            progress["batches_done"] = skip
+            train, stop = mnist.train_one_epoch(model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress)
+            if stop:  # Ctrl-C: train_one_epoch stopped (and wrote a checkpoint to the scratch dir)
+                raise KeyboardInterrupt
+            progress["epoch"] += 1
+            rep.peak_mb = train["peak_memory_mb"]
+            return sum(sizes)
+
+        return rep
+
+    def setup_bound():
+        model, optimizer = new_model()
+        model, optimizer = accelerator.prepare(model, optimizer)
+        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed))
+        batches, start = [], 0
+        for n in sizes:
+            idx = order[start:start + n]
+            start += n
+            batches.append((mnist.normalize(images[idx]).to(device), labels[idx].to(device)))
+
+        def rep():
+            model.train()
+            for x, y in batches:
+                bound_step(accelerator, model, optimizer, x, y)
+            return sum(sizes)
+
+        return rep
+
+    def setup_classic(workers):
+        def setup():
+            model, optimizer = new_model()
+            model, optimizer = accelerator.prepare(model, optimizer)
+            dataset = ClassicMNIST(images[:, 0].numpy(), labels.numpy())
+            loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, num_workers=workers)
+
+            def rep():
+                model.train()
+                samples = 0
+                for i, (x, y) in enumerate(loader):
+                    if i == steps:
+                        break
+                    x, y = x.to(device), y.to(device)
+                    bound_step(accelerator, model, optimizer, x, y)
+                    samples += len(y)
+                return samples
+
+            return rep
+
+        return setup
+
+    info = {
+        "dataset": cfg.dataset,
+        "train_samples": len(train_set),
+        "batch_size": cfg.batch_size,
+        "steps_per_rep": steps,
+        "samples_per_rep": sum(sizes),
+        "model": "BasicNet",
+        "optimizer": f"Adadelta(lr={cfg.lr})",
+        "recipe_loop": f"recipes/mnist.py make_loaders + train_one_epoch (num_workers {cfg.num_workers})",
+        "startup_cmd": [sys.executable, "recipes/mnist.py", "--dataset", cfg.dataset, "--smoke",
+                        "--smoke_steps", "1"],
+        "startup_marker": "mnist: ",  # main() prints this line after data, model and prepare()
+    }
+    variants = {
+        "recipe": setup_recipe,
+        "bound": setup_bound,
+        "classic_w0": setup_classic(0),
+        "classic_w1": setup_classic(1),
+    }
+    return info, variants
+
+
+RECIPES = {"mnist": bench_mnist}
+
+
+# ---------------------------------------------------------------------------------------- driver
+
+
+def measure(variants, device, warmup, reps):
+    """Set up and warm up each variant in turn, then run them round-robin, each round starting
+    one variant later (so that none always follows the same one: the classic loop's worker
+    exiting, say). Returns per-variant lists of samples/s and the peak memory read after the
+    variant's warm-up."""
+    runs, results = {}, {}
+    for name, setup in variants.items():
+        reset_peak(device)
+        rep = setup()
+        for _ in range(warmup):
+            rep()
+        sync(device)
+        runs[name] = rep
+        results[name] = {"samples_per_s": [], "seconds": [], "samples": [],
+                         "peak_memory_mb": getattr(rep, "peak_mb", None) or peak_memory_mb(device)}
+    names = list(runs)
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            rep = runs[name]
+            sync(device)
+            start = time.perf_counter()
+            samples = rep()
+            sync(device)
+            seconds = time.perf_counter() - start
+            res = results[name]
+            res["samples"].append(samples)
+            res["seconds"].append(round(seconds, 4))
+            res["samples_per_s"].append(round(samples / seconds, 1))
+        print(f"  round {r + 1}/{reps}: " + ", ".join(f"{n} {res['samples_per_s'][-1]:.0f}"
+                                                    for n, res in results.items()), flush=True)
+    for res in results.values():
+        res["median_samples_per_s"] = statistics.median(res["samples_per_s"])
+        res["best_samples_per_s"] = max(res["samples_per_s"])
+    return results
+
+
+def paired(results, a, b):
+    """The median over rounds of a's samples/s over b's in the same round."""
+    return round(statistics.median(x / y for x, y in zip(results[a]["samples_per_s"], results[b]["samples_per_s"])), 3)
+
+
+def time_startup(cmd, marker, runs, workdir):
+    """Launch the recipe `runs` times; return the seconds from launch to the first stdout line that
+    starts with `marker`, and to the process's exit."""
+    out = []
+    for i in range(runs):
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        full = cmd + ["--output_dir", str(Path(workdir) / f"startup-{i}")]
+        start = time.perf_counter()
+        proc = subprocess.Popen(full, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stderr = []
+        drain = threading.Thread(target=lambda: stderr.append(proc.stderr.read()))  # no pipe deadlock
+        drain.start()
+        ready, lines = None, []
+        for line in proc.stdout:
+            lines.append(line)
+            if ready is None and line.startswith(marker):
+                ready = time.perf_counter() - start
+        proc.wait()
+        total = time.perf_counter() - start
+        drain.join()
+        if proc.returncode != 0 or ready is None:
+            raise SystemExit(f"error: start-up run failed (exit {proc.returncode}, start-up line "
+                             f"{marker!r} {'seen' if ready else 'not seen'}): {' '.join(full)}\n"
+                             f"{''.join(lines)[-2000:]}{stderr[0][-2000:]}")
+        out.append({"to_first_step_s": round(ready, 3), "to_exit_s": round(total, 3)})
+    return out
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "cpu"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="mnist")
+    p.add_argument("--dataset", default="data/mnist_sample", help="what the recipe's --dataset takes")
+    p.add_argument("--steps", type=int, default=0, help="optimizer steps per repetition (0: one epoch)")
+    p.add_argument("--reps", type=int, default=7, help="measured repetitions of each variant")
+    p.add_argument("--warmup", type=int, default=1, help="repetitions of each variant before measuring")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, all variants")
+    p.add_argument("--startup_runs", type=int, default=3, help="recipe launches to time (0: skip)")
+    p.add_argument("--json", default="runs/bench/bench.json")
+    args = p.parse_args()
+    if args.steps < 0 or args.reps < 1 or args.warmup < 0 or args.threads < 1 or args.startup_runs < 0:
+        p.error("--steps, --warmup and --startup_runs cannot be negative; --reps and --threads must be at least 1")
+
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    accelerator = build_accelerator()
+    if accelerator.num_processes != 1:
+        raise SystemExit("error: the bench measures one process: launch it with --num_processes 1")
+    device = accelerator.device
+    workdir = tempfile.mkdtemp(prefix="bench-")
+    args.workdir = str(Path(workdir) / "recipe")
+    try:
+        info, variants = RECIPES[args.recipe](args, accelerator)
+        print(f"{args.recipe}: {info['steps_per_rep']} steps = {info['samples_per_rep']} samples per repetition, "
+              f"{args.warmup} warm-up + {args.reps} measured each, interleaved, {args.threads} threads, "
+              f"{device.type} ({device_name(device)}), precision {accelerator.mixed_precision}", flush=True)
+        results = measure(variants, device, args.warmup, args.reps)
+        startup = []
+        if args.startup_runs:
+            print(f"  launching the recipe {args.startup_runs} time(s) to time start-up", flush=True)
+            startup = time_startup(info["startup_cmd"], info["startup_marker"], args.startup_runs, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    med = {name: res["median_samples_per_s"] for name, res in results.items()}
+    best = {name: res["best_samples_per_s"] for name, res in results.items()}
+    classic = max((n for n in med if n.startswith("classic")), key=med.get)
+    report = {
+        "recipe": args.recipe,
+        "device": device.type,
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "precision": accelerator.mixed_precision,
+        **{k: v for k, v in info.items() if k != "startup_marker"},
+        "warmup_reps": args.warmup,
+        "reps": args.reps,
+        "peak_memory_note": ("max CUDA memory allocated, from the variant's set-up through its warm-up"
+                             if device.type == "cuda" else
+                             "process RSS high-water mark after the variant's warm-up; variants run in one "
+                             "process in this order, so only the first (recipe) is its own"),
+        "variants": results,
+        "classic_compared": classic,
+        "recipe_over_bound": round(med["recipe"] / med["bound"], 3),
+        "recipe_over_classic": round(med["recipe"] / med[classic], 3),
+        # Per round: the variants of one round ran back to back, so they saw much the same load.
+        "recipe_over_bound_paired": paired(results, "recipe", "bound"),
+        "recipe_over_classic_paired": paired(results, "recipe", classic),
+        # Other work on the machine only ever slows a repetition down, so the best repetition is
+        # the least disturbed one.
+        "recipe_over_bound_best": round(best["recipe"] / best["bound"], 3),
+        "recipe_over_classic_best": round(best["recipe"] / max(v for n, v in best.items() if n.startswith("classic")), 3),
+        "load_average_1min": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2),
+                              "cpu_cores": os.cpu_count()},
+        "startup_definition": ("seconds from launching `startup_cmd` to its start-up line (printed after the data "
+                               "is loaded and decoded, the model built and prepare() done: right before the "
+                               "first training step); to_exit_s: the whole 1-step smoke run, eval and writes "
+                               "included"),
+        "startup": startup,
+    }
+    if startup:
+        report["startup_median_s"] = statistics.median(s["to_first_step_s"] for s in startup)
+
+    print(f"\n{'variant':<12} {'median/s':>9} {'best/s':>8} {'worst/s':>8} {'peak MB':>8}  what")
+    what = {"recipe": "recipe's make_loaders + train_one_epoch", "bound": "normalised batches already on the device",
+            "classic_w0": "PIL -> ToTensor -> Normalize, DataLoader num_workers 0",
+            "classic_w1": "the same with num_workers 1"}
+    for name, res in results.items():
+        print(f"{name:<12} {res['median_samples_per_s']:>9.0f} {res['best_samples_per_s']:>8.0f} "
+              f"{min(res['samples_per_s']):>8.0f} {res['peak_memory_mb']:>8.0f}  {what.get(name, '')}")
+    for other, key in (("bound", "bound"), (f"classic ({classic}, the faster median)", "classic")):
+        print(f"recipe/{other}: {report[f'recipe_over_{key}']:.3f} ratio of medians, "
+              f"{report[f'recipe_over_{key}_paired']:.3f} median of per-round ratios, "
+              f"{report[f'recipe_over_{key}_best']:.3f} ratio of best repetitions")
+    load = report["load_average_1min"]
+    print(f"load average {load['before']} before, {load['after']} after, on {load['cpu_cores']} cores")
+    if startup:
+        print(f"start-up to first step {report['startup_median_s']:.2f} s (median of "
+              f"{', '.join(str(s['to_first_step_s']) for s in startup)}); whole 1-step smoke run "
+              f"{statistics.median(s['to_exit_s'] for s in startup):.2f} s")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    close(accelerator)
+
+
+if __name__ == "__main__":
+    main()
