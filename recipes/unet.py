@@ -586,7 +586,7 @@ def main(cfg):
     accelerator.print(
         f"unet: {describe(accelerator, cfg.batch_size)}; lr {lr:g}; {norm}; {len(train_loader.dataset)} train / "
         f"{len(val_loader.dataset)} validation images of {input_size[1]}x{input_size[0]}; classes: mask values "
-        f"{','.join(map(str, values))}{' (one sigmoid output)' if cfg.num_classes == 1 else ''}"
+        f"{','.join(map(str, values))}{' (one sigmoid output)' if cfg.num_classes == 1 else ''}; outputs to {out}/"
     )
 
     # 4. Resume: weights, optimizer, RNG of every rank, LR schedule, and the position in the data.
