@@ -63,8 +63,8 @@ def load_splits(name, splits, columns):
             raise DataError(f"could not read dataset folder {name}: {e}") from None
         raise DataError(
             f"could not load {name!r} from the Hugging Face Hub ({type(e).__name__}; no internet?): "
-            f"point --dataset at a local folder holding train/test parquet files with columns "
-            f"{' and '.join(columns)}, or an imagefolder train/<label>/*.png + test/<label>/*.png"
+            f"point --dataset at a local folder that datasets.load_dataset reads, such as parquet files "
+            f"{' and '.join(s + '*.parquet' for s in splits)} with columns {' and '.join(columns)}"
         ) from None
     except (FileNotFoundError, ValueError) as e:  # no data files, unknown format, empty folder
         first = str(e).splitlines()[0]
