@@ -1,30 +1,64 @@
 """Metrics that are true for the whole job, not just for rank 0, and a metrics.jsonl writer."""
 
 import json
+import math
 import time
 from pathlib import Path
 
 import torch
 
+from common.checkpoint import list_checkpoints
+from common.config import UserError
 
-class RunningMean:
-    """Sum and count kept on the device; `compute` reduces over all ranks once, not every step.
 
-        loss_mean = RunningMean(accelerator.device)
-        loss_mean.update(loss.detach(), n=len(x))   # no host sync here
-        loss_mean.compute(accelerator)              # mean over every sample of every rank
+class TrainLoss:
+    """The training loss of every rank as one sum on the device: one kernel per batch and no
+    host sync. It gives the mean since the start, the mean since the last window() (for a
+    tracker), and stops the run once the loss has become nan or inf.
+
+        losses = TrainLoss(accelerator.device, step)           # step: optimizer steps done so far
+        losses.update(loss, len(x))                            # every batch
+        losses.check(accelerator, step, checkpoints_dir)       # every few steps and before a checkpoint
+        losses.window(accelerator)                             # mean since the last window()
+        losses.mean(accelerator)                               # mean since the start
+
+    All but update() are collectives: call them on every rank. A nan or inf stays in the sum,
+    so check() finds it even when it runs only every few steps.
     """
 
-    def __init__(self, device):
-        self.total = torch.zeros((), dtype=torch.float64, device=device)
-        self.count = torch.zeros((), dtype=torch.float64, device=device)
+    def __init__(self, device, step=0):
+        self.sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.samples = 0
+        self.finite_until = step  # the loss was finite up to this optimizer step
+        self.logged = (0.0, 0.0)  # the all-rank sum and count at the last window()
 
-    def update(self, value, n=1):
-        self.total += value.double() * n
-        self.count += n
+    def update(self, loss, n):
+        self.sum.add_(loss.detach(), alpha=n)
+        self.samples += n
 
-    def compute(self, accelerator):
-        total, count = accelerator.reduce(torch.stack([self.total, self.count]), "sum").tolist()
+    def _totals(self, accelerator):
+        count = torch.tensor(float(self.samples), dtype=torch.float64, device=self.sum.device)
+        return accelerator.reduce(torch.stack([self.sum, count]), "sum").tolist()
+
+    def check(self, accelerator, step, checkpoints_dir):
+        """Raises UserError on every rank if any rank's loss was nan or inf since the last check."""
+        total, _ = self._totals(accelerator)
+        if not math.isfinite(total):
+            first = self.finite_until + 1
+            where = f"at step {step}" if first >= step else f"between steps {first} and {step}"
+            found = list_checkpoints(checkpoints_dir)
+            kept = f"; the last good checkpoint is {found[-1]}" if found else ""
+            raise UserError(f"the loss became nan or inf {where}{kept}: lower lr, or check the data")
+        self.finite_until = step
+
+    def window(self, accelerator):
+        total, count = self._totals(accelerator)
+        mean = (total - self.logged[0]) / max(count - self.logged[1], 1.0)
+        self.logged = (total, count)
+        return mean
+
+    def mean(self, accelerator):
+        total, count = self._totals(accelerator)
         return total / max(count, 1.0)
 
 
@@ -43,14 +77,17 @@ class Throughput:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to output_dir/metrics.jsonl, on the main process only."""
+    """Appends one JSON object per line to output_dir/metrics.jsonl, on the main process only.
+    Each record also gets elapsed_s: seconds since this log was opened (the start of the run)."""
 
     def __init__(self, path, enabled):
         self.path = Path(path)
         self.enabled = enabled
+        self.start = time.perf_counter()
 
     def write(self, **record):
         if self.enabled:
+            record["elapsed_s"] = round(time.perf_counter() - self.start, 2)
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 

@@ -38,9 +38,9 @@ from common.checkpoint import (
 from common.config import UserError, require, save_config
 from common.determinism import set_deterministic
 from common.data import DataError, load_splits
-from common.metrics import MetricsLog, RunningMean, Throughput, peak_memory_mb
+from common.metrics import MetricsLog, Throughput, TrainLoss, peak_memory_mb
 from common.runtime import (
-    NonFiniteLoss, build_accelerator, close, describe, elastic_restart, make_output_dir, run, stop_requested, tracker,
+    build_accelerator, close, describe, elastic_restart, make_output_dir, run, stop_requested, tracker,
 )
 
 
@@ -399,8 +399,9 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
     A nan or inf loss stops the run before it can be written into a checkpoint.
     """
     model.train()
-    loss_mean, speed, skipped, stop = RunningMean(accelerator.device), Throughput(), 0, False
-    nonfinite, window, window_speed = NonFiniteLoss(accelerator.device), RunningMean(accelerator.device), Throughput()
+    losses, skipped, stop = TrainLoss(accelerator.device, progress["step"]), 0, False
+    speed, window_speed = Throughput(), Throughput()
+    checkpoints = Path(cfg.output_dir) / "checkpoints"
     max_steps = cfg.smoke_steps if cfg.smoke else cfg.max_steps
     for x, y in tqdm(loader, f"epoch {progress['epoch']}", disable=not accelerator.is_main_process, leave=False):
         with accelerator.accumulate(model):
@@ -411,8 +412,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
             optimizer.step()
             optimizer.zero_grad()
         progress["batches_done"] += 1
-        for meter in (loss_mean, window):
-            meter.update(loss.detach(), len(y))
+        losses.update(loss, len(y))  # one kernel, no host sync: bookkeeping must not slow small models
         speed.update(len(y))
         window_speed.update(len(y))
         if not accelerator.sync_gradients:  # still accumulating
@@ -423,22 +423,22 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
         # num_processes times per call, and its schedule would end early on N processes.
         if cfg.scheduler == "cosine" and not accelerator.optimizer_step_was_skipped:
             scheduler.step()
-        nonfinite.update(loss, progress["step"])
-        if cfg.log_with != "none" and progress["step"] % cfg.log_every == 0:  # all ranks: compute() is a collective
-            accelerator.log({"train/loss": window.compute(accelerator), "train/lr": optimizer.param_groups[0]["lr"],
+        if cfg.log_with != "none" and progress["step"] % cfg.log_every == 0:  # all ranks: window() is a collective
+            accelerator.log({"train/loss": losses.window(accelerator), "train/lr": optimizer.param_groups[0]["lr"],
                              "train/samples_per_s": window_speed.compute(accelerator.num_processes)},
                             step=progress["step"])
-            window, window_speed = RunningMean(accelerator.device), Throughput()
+            window_speed = Throughput()
         stop = stop_requested(accelerator, progress["step"]) or progress["step"] == max_steps
         checkpoint = cfg.checkpoint_every_steps and progress["step"] % cfg.checkpoint_every_steps == 0
         if stop or checkpoint or progress["step"] % 10 == 0:
-            nonfinite.check(accelerator, Path(cfg.output_dir) / "checkpoints")
+            losses.check(accelerator, progress["step"], checkpoints)  # a nan loss never reaches a checkpoint
         if stop or checkpoint:
             save(accelerator, cfg, progress, scheduler, values)
         if stop:
             break
+    losses.check(accelerator, progress["step"], checkpoints)  # before the epoch-end checkpoint
     return {
-        "train_loss": loss_mean.compute(accelerator),
+        "train_loss": losses.mean(accelerator),
         "train_samples_per_s": speed.compute(accelerator.num_processes),
         "skipped_steps": skipped,
         "peak_memory_mb": peak_memory_mb(accelerator.device),
