@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import broadcast, gather_object, set_seed
 from PIL import Image
 from safetensors import SafetensorError, safe_open
 from torch.utils.data import DataLoader, Dataset
@@ -39,6 +39,7 @@ from common.config import UserError, require, save_config
 from common.determinism import set_deterministic
 from common.data import DataError, load_splits
 from common.metrics import MetricsLog, Throughput, TrainLoss, peak_memory_mb
+from common.sampler import bucket_loader
 from common.runtime import (
     build_accelerator, close, describe, elastic_restart, make_output_dir, run, stop_requested, tracker,
 )
@@ -62,6 +63,9 @@ class Config:
     bilinear: bool = False  # upsample by bilinear interpolation (fewer weights), not transposed convolutions
     sync_bn: bool = True  # BatchNorm statistics over all processes' batches (PyTorch has it on GPUs only)
     channels_last: bool = False  # NHWC memory layout: faster convolutions in fp16/bf16 on recent GPUs
+    # Images of different sizes: train and evaluate each at its own size, in batches of similar sizes.
+    bucket_by_size: bool = False  # batches padded to their largest image (padding ignored by loss and Dice)
+    max_batch_pixels: int = 0  # bucket_by_size: padded pixels per training batch; 0: batch_size x the largest image
     # Augmentation: an image and its mask get the same resize, crop and flips (the mask by nearest neighbour).
     image_size: int = 0  # resize to image_size x image_size; 0: keep the files' size, which must all match
     crop_size: int = 0  # training only: a random square crop of this size after the resize; 0: no crop
@@ -115,6 +119,9 @@ class Config:
             require(getattr(self, name) == 0 or getattr(self, name) >= 32,
                     f"{name} must be 0 or at least 32: the U-Net halves the image 4 times")
         require(not self.image_size or self.crop_size <= self.image_size, "crop_size cannot exceed image_size")
+        require(not self.bucket_by_size or not (self.image_size or self.crop_size),
+                "bucket_by_size trains on the images' own sizes: leave image_size and crop_size at 0")
+        require(self.max_batch_pixels >= 0, f"max_batch_pixels cannot be negative, got {self.max_batch_pixels}")
         if self.mask_values:
             require(len(parse_values(self.mask_values, "--mask_values")) == value_count(self.num_classes),
                     f"mask_values needs one value per class ({value_count(self.num_classes)} for num_classes "
@@ -260,30 +267,32 @@ def read_pair(image, mask, name):
 
 
 def scan_masks(accelerator, sources):
-    """{mask value: [number of masks holding it, one of them]} and the set of image sizes.
+    """{mask value: [number of masks holding it, one of them]}, and per source the (height, width)
+    of each image, in order.
 
     Each process reads its share of the pairs and the results are gathered, so a bad file stops
     every rank with the same one-line error (never one rank raising while the others wait).
     """
-    found, sizes, problems = {}, set(), []
-    pairs = [source[i] for source in sources for i in range(len(source))]
-    for image, mask, name in pairs[accelerator.process_index :: accelerator.num_processes]:
+    found, sizes, problems = {}, {}, []
+    items = [(s, i) for s, source in enumerate(sources) for i in range(len(source))]
+    for s, i in items[accelerator.process_index :: accelerator.num_processes]:
+        image, mask, name = sources[s][i]
         try:
-            image, values = read_pair(image, mask, name)
+            _, values = read_pair(image, mask, name)
         except (DataError, OSError) as e:  # OSError: a file PIL cannot read
             problems.append(str(e))
             continue
-        sizes.add(image.size)
+        sizes[s, i] = values.shape
         for v in np.unique(values).tolist():
             found.setdefault(v, [0, name])[0] += 1
-    merged = {}
+    merged, all_sizes = {}, {}
     for rank_found, rank_sizes, rank_problems in gather_object([(found, sizes, problems)]):
         if rank_problems:
             raise DataError(rank_problems[0])
-        sizes |= rank_sizes
+        all_sizes.update(rank_sizes)
         for v, (count, name) in rank_found.items():
             merged.setdefault(v, [0, name])[0] += count
-    return merged, sizes
+    return merged, [[all_sizes[s, i] for i in range(len(source))] for s, source in enumerate(sources)]
 
 
 def mask_values_and_size(cfg, found, sizes, stored_values):
@@ -305,10 +314,14 @@ def mask_values_and_size(cfg, found, sizes, stored_values):
                         f"set --mask_values to the values that are classes")
     if cfg.image_size:
         return values, (cfg.image_size, cfg.image_size)
-    if len(sizes) > 1:
-        a, b = sorted(sizes)[:2]
-        raise DataError(f"images have different sizes ({a[0]}x{a[1]}, {b[0]}x{b[1]}): set --image_size to resize them")
-    ((w, h),) = sizes
+    if cfg.bucket_by_size:
+        return values, None  # every image keeps its own size
+    distinct = sorted({size for source_sizes in sizes for size in source_sizes})
+    if len(distinct) > 1:
+        (h1, w1), (h2, w2) = distinct[:2]
+        raise DataError(f"images have different sizes ({w1}x{h1}, {w2}x{h2}): set --image_size to resize them, "
+                        f"or --bucket_by_size true to train on each at its own size")
+    ((h, w),) = distinct
     if min(w, h) < max(32, cfg.crop_size):
         raise DataError(f"images are {w}x{h}, smaller than crop_size or the U-Net's 32 pixels: set --image_size")
     return values, (h, w)
@@ -355,29 +368,72 @@ def make_loaders(cfg, train_source, val_source, values):
     return loader(train_source, train_tf, cfg.batch_size, True), loader(val_source, val_tf, cfg.eval_batch_size, False)
 
 
+IGNORE = -1  # the class of padded pixels: no loss, no Dice
+PAD_MULTIPLE = 16  # bucketed batches are padded to a multiple of 16: the U-Net halves the image 4 times
+
+
+def padded(n):
+    return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def pad_to(tensor, height, width, value):
+    """[..., h, w] -> [..., height, width], filled with `value` at the bottom and right."""
+    return F.pad(tensor, (0, width - tensor.shape[-1], 0, height - tensor.shape[-2]), value=value)
+
+
+def pad_collate(batch):
+    """(image, mask) pairs of different sizes -> one batch, padded to its largest height and width
+    (rounded up to PAD_MULTIPLE): images with 0, masks with IGNORE."""
+    height, width = (padded(max(mask.shape[d] for _, mask in batch)) for d in (0, 1))
+    return (torch.stack([pad_to(image, height, width, 0) for image, _ in batch]),
+            torch.stack([pad_to(mask, height, width, IGNORE) for _, mask in batch]))
+
+
+def make_bucket_loaders(cfg, accelerator, train_source, val_source, values, sizes):
+    """bucket_by_size: loaders of batches of similar-size images under a pixel budget, sharded
+    and placed on the device by common/sampler.py, so they do not go through accelerator.prepare().
+    The budget counts padded pixels; validation gets eval_batch_size / batch_size times more."""
+    train_sizes, val_sizes = ([(padded(h), padded(w)) for h, w in source_sizes] for source_sizes in sizes)
+    budget = cfg.max_batch_pixels or cfg.batch_size * max(h * w for h, w in train_sizes)
+    train_tf = v2.Compose([v2.RandomHorizontalFlip(cfg.hflip), v2.RandomVerticalFlip(cfg.vflip)])
+    train = bucket_loader(SegmentationSet(train_source, values, train_tf, cfg.seed), train_sizes, budget, accelerator,
+                          train=True, seed=cfg.seed, collate_fn=pad_collate, num_workers=cfg.num_workers)
+    val = bucket_loader(SegmentationSet(val_source, values, v2.Identity(), cfg.seed), val_sizes,
+                        max(budget * cfg.eval_batch_size // cfg.batch_size, 1), accelerator, train=False,
+                        collate_fn=pad_collate, num_workers=cfg.num_workers)
+    return train, val, budget
+
+
 def prepare_input(x, cfg):
     x = x.float() / 255
     return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
 
 
 def loss_per_image(logits, target, num_classes):
-    """Cross-entropy (BCE for 1 class) + soft Dice loss over all classes, one value per image, in fp32."""
+    """Cross-entropy (BCE for 1 class) + soft Dice loss over all classes, one value per image, in fp32.
+    Pixels of class IGNORE (batch padding) count in neither."""
     logits = logits.float()
+    valid = (target != IGNORE).float()
+    pixels = valid.sum((1, 2)).clamp(min=1)
+    target = target.clamp(min=0)
     if num_classes == 1:
         logits, target = logits[:, 0], target.float()
-        ce = F.binary_cross_entropy_with_logits(logits, target, reduction="none").mean((1, 2))
+        ce = (F.binary_cross_entropy_with_logits(logits, target, reduction="none") * valid).sum((1, 2)) / pixels
         probs, onehot = logits.sigmoid()[:, None], target[:, None]
     else:
-        ce = F.cross_entropy(logits, target, reduction="none").mean((1, 2))
+        ce = (F.cross_entropy(logits, target, reduction="none") * valid).sum((1, 2)) / pixels
         probs, onehot = logits.softmax(1), F.one_hot(target, num_classes).permute(0, 3, 1, 2).float()
+    probs, onehot = probs * valid[:, None], onehot * valid[:, None]
     inter, total = (probs * onehot).sum((2, 3)), (probs + onehot).sum((2, 3))
     dice = (2 * inter + 1) / (total + 1)  # +1: a class absent from both scores 1, and stray pixels cost little
     return ce + 1 - dice.mean(1)
 
 
 def dice_counts(logits, target, num_classes):
-    """Per image and foreground class: |pred & true| and |pred| + |true|, from hard predictions."""
+    """Per image and foreground class: |pred & true| and |pred| + |true|, from hard predictions;
+    padded pixels (IGNORE) are in neither."""
     pred = (logits[:, 0] > 0).long() if num_classes == 1 else logits.argmax(1)
+    pred = torch.where(target == IGNORE, 0, pred)
     classes = torch.arange(1, value_count(num_classes), device=pred.device)[:, None, None]
     pred, true = pred[:, None] == classes, target[:, None] == classes  # [N, foreground classes, H, W]
     return (pred & true).sum((2, 3)), pred.sum((2, 3)) + true.sum((2, 3))
@@ -451,28 +507,40 @@ def evaluate(model, loader, accelerator, cfg, panels=False):
 
     The Dice of an image is the mean, over the foreground classes (all but class 0; the one class
     of a 1-class model), of 2 |pred & true| / (|pred| + |true|), where a class absent from both
-    prediction and mask scores 1. `dice` is the mean over images. The per-image counts go through
-    gather_for_metrics, which drops the padding that evens out the last batch, so each validation
-    image counts exactly once. With `panels`, also returns image | prediction | truth panels of
-    the main process's first batch, for the tracker.
+    prediction and mask scores 1. `dice` is the mean over images. Each validation image counts
+    exactly once:
+    - a prepared loader pads the last batch so every rank gets one; gather_for_metrics drops
+      that padding.
+    - a bucketed loader (bucket_by_size) pads nothing, so ranks may get different numbers of
+      batches: then nothing may wait on other ranks per batch. The unwrapped model runs (a DDP
+      model syncs its buffers in forward), with rank 0's buffers broadcast once before the loop,
+      sums stay local, and one reduce ends the loop.
+    With `panels`, also returns image | prediction | truth panels of the main process's first
+    batch, for the tracker.
     """
-    model.eval()
-    dice_sum = loss_sum = images = 0.0
+    net = accelerator.unwrap_model(model) if cfg.bucket_by_size else model  # unwrap keeps autocast
+    net.eval()
+    if cfg.bucket_by_size:  # as DDP's forward would: every rank uses rank 0's BatchNorm statistics
+        broadcast(list(net.buffers()))
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # dice sum, loss sum, images
     panel = None
     for x, y in loader:
-        logits = model(prepare_input(x, cfg))
+        logits = net(prepare_input(x, cfg))
         if panels and panel is None:
             pred = (logits[:, 0] > 0).long() if cfg.num_classes == 1 else logits.argmax(1)
             colour = torch.tensor(np.vstack([(0, 0, 0), PALETTE]), device=x.device, dtype=torch.uint8)
             def paint(classes):
-                return colour[classes % len(colour)].permute(0, 3, 1, 2)
+                return colour[classes.clamp(min=0) % len(colour)].permute(0, 3, 1, 2)
             panel = torch.cat([x[:4], paint(pred[:4]), paint(y[:4])], dim=3).float() / 255
         counts = (*dice_counts(logits, y, cfg.num_classes), loss_per_image(logits, y, cfg.num_classes))
-        inter, total, loss = accelerator.gather_for_metrics(counts)
+        inter, total, loss = counts if cfg.bucket_by_size else accelerator.gather_for_metrics(counts)
         dice = torch.where(total == 0, 1.0, 2 * inter / total.clamp(min=1))
-        dice_sum += dice.double().mean(1).sum().item()
-        loss_sum += loss.double().sum().item()
-        images += len(loss)
+        totals[0] += dice.double().mean(1).sum()
+        totals[1] += loss.double().sum()
+        totals[2] += len(loss)
+    if cfg.bucket_by_size:
+        totals = accelerator.reduce(totals, "sum")
+    dice_sum, loss_sum, images = totals.tolist()
     return {"dice": dice_sum / images, "eval_loss": loss_sum / images, "eval_samples": int(images)}, panel
 
 
@@ -510,16 +578,26 @@ def predict(cfg, accelerator):
     out = Path(cfg.predict_dir or Path(cfg.output_dir) / "predictions")
     out.mkdir(parents=True, exist_ok=True)
     lut = np.array(values, np.uint8 if max(values) < 256 else np.uint16)  # class index -> mask value
-    size = [int(s) for s in meta["input_size"].split(",")]  # the model sees images as in training
+    # The model sees images as in training: resized to input_size, or at their own size (bucket_by_size),
+    # padded like a training batch, one at a time.
+    native = meta["input_size"] == "native"
+    size = None if native else [int(s) for s in meta["input_size"].split(",")]
+    batch_size = 1 if native else cfg.eval_batch_size
     with accelerator.split_between_processes(files) as mine:
-        for start in range(0, len(mine), cfg.eval_batch_size):
-            paths = mine[start : start + cfg.eval_batch_size]
+        for start in range(0, len(mine), batch_size):
+            paths = mine[start : start + batch_size]
             images = [Image.open(p).convert("RGB") for p in paths]
-            x = torch.stack([resize(pil_to_tensor(im), size, antialias=True) for im in images])
+            if native:
+                x = pad_to(pil_to_tensor(images[0]), padded(images[0].height), padded(images[0].width), 0)[None]
+            else:
+                x = torch.stack([resize(pil_to_tensor(im), size, antialias=True) for im in images])
             with torch.inference_mode(), accelerator.autocast():
                 logits = model(x.to(accelerator.device).float() / 255)
             for path, image, lg in zip(paths, images, logits):
-                lg = F.interpolate(lg[None].float(), (image.height, image.width), mode="bilinear")[0]
+                if native:
+                    lg = lg[:, : image.height, : image.width].float()
+                else:
+                    lg = F.interpolate(lg[None].float(), (image.height, image.width), mode="bilinear")[0]
                 classes = ((lg[0] > 0).long() if num_classes == 1 else lg.argmax(0)).cpu().numpy()
                 Image.fromarray(lut[classes]).save(out / f"{Path(path).stem}_mask.png")
                 if cfg.overlay:
@@ -558,7 +636,12 @@ def main(cfg):
     found, sizes = scan_masks(accelerator, [train_source, val_source])
     stored = weights_metadata(cfg.weights).get("mask_values") if cfg.weights else None
     values, input_size = mask_values_and_size(cfg, found, sizes, stored)
-    train_loader, val_loader = make_loaders(cfg, train_source, val_source, values)
+    if cfg.bucket_by_size:
+        train_loader, val_loader, budget = make_bucket_loaders(cfg, accelerator, train_source, val_source, values, sizes)
+        shapes = f"their own sizes, in batches of at most {budget} padded pixels"
+    else:
+        train_loader, val_loader = make_loaders(cfg, train_source, val_source, values)
+        shapes = f"{input_size[1]}x{input_size[0]}"
 
     # 3. Model, optimizer and schedule.
     model = UNet(cfg.num_classes, cfg.base_channels, cfg.bilinear)
@@ -570,7 +653,10 @@ def main(cfg):
         model = model.to(memory_format=torch.channels_last)
     lr = cfg.lr * (accelerator.num_processes * cfg.gradient_accumulation_steps if cfg.scale_lr else 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
-    model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
+    if cfg.bucket_by_size:  # the bucketed loaders are sharded already: prepare() would deal them out again
+        model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
     steps_per_epoch = math.ceil(len(train_loader) / cfg.gradient_accumulation_steps)  # len: this process's share
     total_steps = min(cfg.smoke_steps, steps_per_epoch) if cfg.smoke else cfg.epochs * steps_per_epoch
     if cfg.scheduler == "cosine":
@@ -585,7 +671,7 @@ def main(cfg):
         norm = "BatchNorm"
     accelerator.print(
         f"unet: {describe(accelerator, cfg.batch_size)}; lr {lr:g}; {norm}; {len(train_loader.dataset)} train / "
-        f"{len(val_loader.dataset)} validation images of {input_size[1]}x{input_size[0]}; classes: mask values "
+        f"{len(val_loader.dataset)} validation images of {shapes}; classes: mask values "
         f"{','.join(map(str, values))}{' (one sigmoid output)' if cfg.num_classes == 1 else ''}; outputs to {out}/"
     )
 
@@ -602,7 +688,8 @@ def main(cfg):
         accelerator.print(f"resumed from {checkpoint} (epoch {progress['epoch']}, step {progress['step']})")
     # What predict needs to rebuild the model and write masks travels inside the weights file.
     settings = {"recipe": "unet", "mask_values": ",".join(map(str, values)), "num_classes": cfg.num_classes,
-                "base_channels": cfg.base_channels, "bilinear": cfg.bilinear, "input_size": "%d,%d" % input_size}
+                "base_channels": cfg.base_channels, "bilinear": cfg.bilinear,
+                "input_size": "%d,%d" % input_size if input_size else "native"}
 
     # 5. Train, evaluating after every epoch.
     epochs = 1 if cfg.smoke else cfg.epochs

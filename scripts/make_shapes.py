@@ -2,6 +2,7 @@
 
     python scripts/make_shapes.py                                   # 200 images of 64x64 in data/shapes
     python scripts/make_shapes.py --out /tmp/shapes --count 40 --size 48
+    python scripts/make_shapes.py --out data/shapes_mixed --sizes 48,64,96   # mixed sizes, for bucket_by_size
 
 The layout is the Carvana one that the recipe reads, so the demo and the tests use the real
 loading path: imgs/shape_0000.png (RGB) and masks/shape_0000_mask.png (8-bit greyscale).
@@ -29,11 +30,11 @@ MASK_VALUES = {"circle": 85, "rectangle": 170, "triangle": 255}
 HUES = {"circle": 0.0, "rectangle": 1 / 3, "triangle": 2 / 3}  # red, green, blue
 
 
-def shape_pixels(kind, size, rng):
-    """A boolean [size, size] array: the pixels whose centres fall inside a random shape."""
-    yy, xx = np.mgrid[:size, :size] + 0.5
-    cx, cy = rng.uniform(0.15, 0.85, 2) * size
-    r = rng.uniform(0.12, 0.25) * size
+def shape_pixels(kind, height, width, rng):
+    """A boolean [height, width] array: the pixels whose centres fall inside a random shape."""
+    yy, xx = np.mgrid[:height, :width] + 0.5
+    cx, cy = rng.uniform(0.15, 0.85, 2) * (width, height)
+    r = rng.uniform(0.12, 0.25) * min(height, width)
     if kind == "circle":
         return (xx - cx) ** 2 + (yy - cy) ** 2 <= r**2
     if kind == "rectangle":
@@ -47,16 +48,17 @@ def shape_pixels(kind, size, rng):
     return ((sides[0] >= 0) & (sides[1] >= 0) & (sides[2] >= 0)) | ((sides[0] <= 0) & (sides[1] <= 0) & (sides[2] <= 0))
 
 
-def make_pair(i, size, seed):
-    """Image i: (uint8 RGB [size, size, 3], uint8 mask [size, size])."""
+def make_pair(i, sizes, seed):
+    """Image i: (uint8 RGB [H, W, 3], uint8 mask [H, W]), H and W each drawn from `sizes`."""
+    height, width = np.random.default_rng((seed, i, 1)).choice(sizes, 2) if len(sizes) > 1 else (sizes[0],) * 2
     rng = np.random.default_rng((seed, i))
-    image = rng.uniform(40, 215) + rng.uniform(-15, 15, 3) + rng.normal(0, 18, (size, size, 3))
-    mask = np.zeros((size, size), np.uint8)
+    image = rng.uniform(40, 215) + rng.uniform(-15, 15, 3) + rng.normal(0, 18, (height, width, 3))
+    mask = np.zeros((height, width), np.uint8)
     for _ in range(rng.integers(1, 4)):
         kind = rng.choice(list(MASK_VALUES))
         hue = (HUES[kind] + rng.uniform(-0.06, 0.06)) % 1
         color = 255 * np.array(colorsys.hsv_to_rgb(hue, rng.uniform(0.6, 1), rng.uniform(0.5, 1)))
-        pixels = shape_pixels(kind, size, rng)
+        pixels = shape_pixels(kind, height, width, rng)
         image[pixels] = color + rng.normal(0, 18, (pixels.sum(), 3))
         mask[pixels] = MASK_VALUES[kind]
     return np.clip(image, 0, 255).astype(np.uint8), mask
@@ -67,17 +69,20 @@ def main():
     p.add_argument("--out", default="data/shapes", help="folder to write imgs/ and masks/ into")
     p.add_argument("--count", type=int, default=200, help="number of images")
     p.add_argument("--size", type=int, default=64, help="height and width in pixels")
+    p.add_argument("--sizes", help="comma-separated sizes: each image's height and width are drawn from them")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    sizes = [int(v) for v in args.sizes.split(",")] if args.sizes else [args.size]
 
     out = Path(args.out)
     (out / "imgs").mkdir(parents=True, exist_ok=True)
     (out / "masks").mkdir(parents=True, exist_ok=True)
     for i in range(args.count):
-        image, mask = make_pair(i, args.size, args.seed)
+        image, mask = make_pair(i, sizes, args.seed)
         Image.fromarray(image).save(out / "imgs" / f"shape_{i:04d}.png")
         Image.fromarray(mask).save(out / "masks" / f"shape_{i:04d}_mask.png")
-    print(f"wrote {args.count} images of {args.size}x{args.size} and their masks to {out}/")
+    shape = f"{sizes[0]}x{sizes[0]}" if len(sizes) == 1 else f"heights and widths from {args.sizes}"
+    print(f"wrote {args.count} images of {shape} and their masks to {out}/")
 
 
 if __name__ == "__main__":

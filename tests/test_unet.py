@@ -225,6 +225,7 @@ def test_bad_settings_are_rejected(unet):
         (["--image_size", "20"], "image_size must be 0 or at least 32"),
         (["--scheduler", "step"], "scheduler must be cosine or plateau"),
         (["--predict", "x.png"], "predict needs weights"),
+        (["--bucket_by_size", "true", "--image_size", "64"], "bucket_by_size trains on the images' own sizes"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_config(unet.Config, args)
@@ -267,3 +268,77 @@ def test_tensorboard_gets_scalars_and_image_panels(shapes, tmp_path):
     images = acc.Images("eval/image_prediction_truth")
     assert [e.step for e in images] == [r["step"] for r in rows]
     assert images[0].width == 4 * 3 * images[0].height  # 4 panels of image | prediction | truth, in a row
+
+
+# bucket_by_size: images of different sizes, each trained and evaluated at its own size.
+N_MIXED, MIXED_SIZES = 40, "40,64,96"  # make_shapes.py --sizes: each height and width is one of these
+N_MIXED_VAL = int(N_MIXED * VAL_FRACTION)
+
+
+@pytest.fixture(scope="session")
+def mixed_shapes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixed_shapes")
+    subprocess.run([sys.executable, REPO / "scripts" / "make_shapes.py", "--out", root, "--count", str(N_MIXED),
+                    "--sizes", MIXED_SIZES], check=True, capture_output=True)
+    return root
+
+
+def test_without_bucket_by_size_mixed_sizes_say_what_to_set(mixed_shapes, tmp_path):
+    res = launch([RECIPE, "--dataset", mixed_shapes, "--output_dir", tmp_path, *FAST], launcher="python")
+    assert res.returncode == 2 and "images have different sizes" in res.output, res
+    assert "set --image_size to resize them, or --bucket_by_size true" in res.output
+
+
+@pytest.mark.parametrize("num_classes", [4, 1])
+def test_padding_changes_neither_the_loss_nor_the_dice_counts(unet, num_classes):
+    torch.manual_seed(0)
+    logits = torch.randn(1, num_classes, 20, 24)
+    target = torch.randint(0, unet.value_count(num_classes), (1, 20, 24))
+    other = (torch.zeros(3, 40, 30, dtype=torch.uint8), torch.zeros(40, 30, dtype=torch.int64))
+    x, y = unet.pad_collate([(torch.ones(3, 20, 24, dtype=torch.uint8), target[0]), other])
+    assert x.shape == (2, 3, 48, 32) and y.shape == (2, 48, 32)  # the largest size, rounded up to 16
+    assert (y[0, 20:] == unet.IGNORE).all() and (y[0, :, 24:] == unet.IGNORE).all() and (x[0, :, 20:] == 0).all()
+    padded_logits = 10 * torch.randn(2, num_classes, 48, 32)  # whatever the model says about the padding
+    padded_logits[0, :, :20, :24] = logits[0]
+    loss, padded_loss = (unet.loss_per_image(lg, t, num_classes)[0] for lg, t in ((logits, target), (padded_logits, y)))
+    assert padded_loss.item() == pytest.approx(loss.item(), rel=1e-5)
+    for a, b in zip(unet.dice_counts(logits, target, num_classes), unet.dice_counts(padded_logits, y, num_classes)):
+        assert torch.equal(a[0], b[0])
+
+
+def test_bucket_by_size_on_two_processes_trains_and_evaluates_every_image_once(mixed_shapes, tmp_path):
+    args = [RECIPE, "--dataset", mixed_shapes, *FAST, "--bucket_by_size", "true", "--base_channels", 8]
+    res = launch([*args, "--output_dir", tmp_path / "train", "--epochs", 2, "--batch_size", 2, "--num_workers", 2],
+                 nproc=2, env=ONE_THREAD)
+    assert_ok(res)
+    assert f"validation images of their own sizes, in batches of at most {2 * 96 * 96} padded pixels" in res.output
+    rows = read_metrics(tmp_path / "train")
+    assert [r["eval_samples"] for r in rows] == [N_MIXED_VAL, N_MIXED_VAL] and rows[0]["world_size"] == 2
+    # One process, the same weights: the same batches of the same images, so the same Dice.
+    weights = tmp_path / "train" / "model.safetensors"
+    with safe_open(weights, "pt") as f:
+        assert f.metadata()["input_size"] == "native"
+    res = launch([*args, "--output_dir", tmp_path / "eval", "--eval_only", "--weights", weights], launcher="python",
+                 env=ONE_THREAD)
+    assert_ok(res)
+    (row,) = read_metrics(tmp_path / "eval")
+    assert row["eval_samples"] == N_MIXED_VAL and row["dice"] == pytest.approx(rows[-1]["dice"], abs=1e-9)
+    # Predict keeps each image at its own size too.
+    Image.open(next((mixed_shapes / "imgs").glob("*.png"))).resize((61, 37)).save(tmp_path / "odd.png")
+    assert_ok(launch([RECIPE, "--predict", tmp_path / "odd.png", "--weights", weights, "--predict_dir", tmp_path / "out"],
+                     launcher="python"))
+    assert Image.open(tmp_path / "out" / "odd_mask.png").size == (61, 37)
+
+
+def test_bucket_by_size_resumes_bit_identically(mixed_shapes, tmp_path):
+    from safetensors.torch import load_file
+
+    args = [RECIPE, "--dataset", mixed_shapes, *FAST, "--bucket_by_size", "true", "--base_channels", 8,
+            "--batch_size", 2, "--num_workers", 2, "--epochs", 2]
+    assert_ok(launch([*args, "--output_dir", tmp_path / "straight", "--max_steps", 20], env=ONE_THREAD))
+    assert_ok(launch([*args, "--output_dir", tmp_path / "split", "--max_steps", 7], env=ONE_THREAD))
+    res = launch([*args, "--output_dir", tmp_path / "split", "--max_steps", 20, "--resume", "latest"], env=ONE_THREAD)
+    assert_ok(res)
+    assert "(epoch 1, step 7)" in res.output
+    a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "split"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
