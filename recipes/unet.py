@@ -332,11 +332,21 @@ class SegmentationSet(Dataset):
 
     The random transforms of sample i in epoch e draw from a generator seeded with (seed, e, i):
     the same augmentation whatever the number of workers or processes, and after a resume.
-    The recipe sets `epoch` before each epoch; workers get a fresh copy of the dataset then.
+    The recipe sets `epoch` before each epoch. It lives in shared memory, so persistent
+    DataLoader workers (started once, not every epoch) see the new value too.
     """
 
     def __init__(self, source, values, transform, seed):
-        self.source, self.values, self.transform, self.seed, self.epoch = source, values, transform, seed, 0
+        self.source, self.values, self.transform, self.seed = source, values, transform, seed
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    @property
+    def epoch(self):
+        return int(self._epoch)
+
+    @epoch.setter
+    def epoch(self, value):
+        self._epoch.fill_(value)
 
     def __len__(self):
         return len(self.source)
@@ -362,8 +372,10 @@ def make_loaders(cfg, train_source, val_source, values):
     # Each loader has its own generator, so starting an epoch does not draw from the global RNG
     # and a resumed run continues with the same random numbers as an uninterrupted one.
     def loader(source, transform, batch_size, shuffle):
+        # persistent_workers: starting the workers every epoch costs seconds (the first batches wait).
         return DataLoader(SegmentationSet(source, values, transform, cfg.seed), batch_size, shuffle=shuffle,
-                          num_workers=cfg.num_workers, generator=torch.Generator().manual_seed(cfg.seed))
+                          num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0,
+                          generator=torch.Generator().manual_seed(cfg.seed))
 
     return loader(train_source, train_tf, cfg.batch_size, True), loader(val_source, val_tf, cfg.eval_batch_size, False)
 
