@@ -3,6 +3,7 @@
     python scripts/bench.py                                  # MNIST on data/mnist_sample, CPU or first GPU
     python scripts/bench.py --reps 7 --json runs/bench/cpu.json
     python scripts/bench.py --dataset ylecun/mnist --steps 300   # full MNIST (hub or its local cache)
+    python scripts/bench.py --recipe unet                    # U-Net on data/shapes: about 6 minutes on 2 CPU cores
     accelerate launch --config_file accelerate_configs/bf16.yaml --num_processes 1 scripts/bench.py
 
 One process trains the same model (the recipe's own class, optimizer, batch size and the
@@ -12,9 +13,12 @@ precision of the accelerate config) in three ways:
            common.runtime.build_accelerator() builds, and its own train_one_epoch().
 - bound:   the same training step on batches that are already normalised floats on the device,
            a fixed list cycled: the compute bound, with no data path at all.
-- classic: the tutorial loop (pytorch/examples mnist): a Dataset that makes a PIL image per
-           sample, ToTensor and Normalize per sample, a default DataLoader (shuffle, batch 64),
-           `.to(device)` per batch. Run with 0 and 1 workers; the faster is compared.
+- classic: the tutorial loop on the same data, a few workers or none; the faster is compared.
+           MNIST (pytorch/examples mnist): a Dataset that makes a PIL image per sample, ToTensor
+           and Normalize per sample, a default DataLoader (shuffle, batch 64), `.to(device)` per
+           batch; 0 and 1 workers. U-Net (milesial/Pytorch-UNet): a Dataset that opens the image
+           and mask files with PIL per sample and converts them with numpy, a DataLoader with
+           pin_memory, `.to(device, dtype)` per batch; 0 workers and the recipe's num_workers.
 
 A repetition is `--steps` optimizer steps (default: one full epoch of the train split, so the
 recipe runs exactly as in training: no max_steps, hence no checkpoint inside the timed part).
@@ -25,9 +29,9 @@ least disturbed one), and the median of the per-round ratios.
 All share one torch thread count (`--threads`). Then the recipe is launched `--startup_runs`
 times as a subprocess to time its start-up.
 
-Prints a table and writes JSON (default runs/bench/bench.json). Not a test: the figures depend
+Prints a table and writes JSON (default runs/bench/<recipe>.json). Not a test: the figures depend
 on the machine. Adding a recipe: write a `bench_<name>(args, accelerator)` like bench_mnist and
-add it to RECIPES.
+add it to RECIPES with its defaults.
 """
 
 import argparse
@@ -47,6 +51,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
@@ -66,6 +71,11 @@ def load_recipe(name):
     return module
 
 
+def rate(samples_per_s):
+    """Samples/s as printed: whole numbers, with a decimal below 100 (a U-Net on a CPU)."""
+    return f"{samples_per_s:.0f}" if samples_per_s >= 100 else f"{samples_per_s:.1f}"
+
+
 def sync(device):
     """Wait for queued GPU work, so that the clock measures the work and not its launch."""
     if device.type == "cuda":
@@ -75,6 +85,21 @@ def sync(device):
 def reset_peak(device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def last_batches(train_loader, steps, dataset):
+    """The epoch's length in batches, and the sizes of its last `steps` batches (0: all of them).
+
+    The recipe and the bound train on batches of these sizes: the recipe reaches them through
+    skip_first_batches, its own mid-epoch resume path."""
+    epoch_steps = len(train_loader)
+    steps = steps or epoch_steps
+    if steps > epoch_steps:
+        raise SystemExit(f"error: --steps {steps} is more than one epoch ({epoch_steps} steps) of {dataset}")
+    samples, batch_size = len(train_loader.dataset), train_loader.batch_size
+    sizes = [batch_size] * epoch_steps
+    sizes[-1] = samples - batch_size * (epoch_steps - 1)
+    return epoch_steps, sizes[epoch_steps - steps:]
 
 
 def bound_step(accelerator, model, optimizer, x, y):
@@ -112,15 +137,8 @@ def bench_mnist(args, accelerator):
     train_loader, _ = mnist.make_loaders(cfg)  # the recipe's own data path
     train_set = train_loader.dataset
     images, labels = train_set.tensors  # uint8 [N, 1, 28, 28], int64 [N]
-    epoch_steps = len(train_loader)
-    steps = args.steps or epoch_steps
-    if steps > epoch_steps:
-        raise SystemExit(f"error: --steps {steps} is more than one epoch ({epoch_steps} steps) of {cfg.dataset}")
-    # The same batch sizes in every variant: the last `steps` batches of an epoch (the recipe
-    # reaches them through skip_first_batches, its own mid-epoch resume path).
-    sizes = [cfg.batch_size] * epoch_steps
-    sizes[-1] = len(train_set) - cfg.batch_size * (epoch_steps - 1)
-    sizes = sizes[epoch_steps - steps:]
+    epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset)
+    steps = len(sizes)
 
     def new_model():
         set_seed(cfg.seed)  # the same initial weights in every variant
@@ -200,6 +218,12 @@ def bench_mnist(args, accelerator):
         "startup_cmd": [sys.executable, "recipes/mnist.py", "--dataset", cfg.dataset, "--smoke",
                         "--smoke_steps", "1"],
         "startup_marker": "mnist: ",  # main() prints this line after data, model and prepare()
+        "what": {
+            "recipe": "recipe's make_loaders + train_one_epoch",
+            "bound": "normalised batches already on the device",
+            "classic_w0": "PIL -> ToTensor -> Normalize, DataLoader num_workers 0",
+            "classic_w1": "the same with num_workers 1",
+        },
     }
     variants = {
         "recipe": setup_recipe,
@@ -210,7 +234,170 @@ def bench_mnist(args, accelerator):
     return info, variants
 
 
-RECIPES = {"mnist": bench_mnist}
+# ----------------------------------------------------------------------------------------- U-Net
+
+
+class ClassicSegmentation(Dataset):
+    """What milesial/Pytorch-UNet's BasicDataset does per sample: open the image and the mask with
+    PIL, convert both with numpy (the image to float CHW in [0, 1], the mask values to class indices
+    in a loop over the values), then make tensors. Like it, no augmentation."""
+
+    def __init__(self, pairs, values):
+        self.pairs, self.values = pairs, values  # [(image path, mask path, name)], mask value of each class
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, i):
+        image_path, mask_path, _ = self.pairs[i]
+        img = np.asarray(Image.open(image_path).convert("RGB")).transpose((2, 0, 1)) / 255.0
+        values = np.asarray(Image.open(mask_path))
+        mask = np.zeros(values.shape, dtype=np.int64)
+        for c, v in enumerate(self.values):
+            mask[values == v] = c
+        return torch.as_tensor(img.copy()).float().contiguous(), torch.as_tensor(mask.copy()).long().contiguous()
+
+
+def bench_unet(args, accelerator):
+    """Set up the U-Net variants, as bench_mnist does."""
+    unet = load_recipe("unet")
+    device = accelerator.device
+    cfg = unet.Config(dataset=args.dataset, output_dir=args.workdir, max_steps=0, checkpoint_every_steps=0)
+    cfg.validate()
+    if not (Path(cfg.dataset) / "imgs").is_dir():
+        raise SystemExit(f"error: the U-Net bench needs a folder with imgs/ and masks/ (the classic loop opens "
+                         f"the files), not {cfg.dataset}")
+    # The recipe's own data path, as its main() builds it on one process.
+    train_source, val_source = unet.open_sources(cfg)
+    found, image_sizes = unet.scan_masks(accelerator, [train_source, val_source])
+    values, _ = unet.mask_values_and_size(cfg, found, image_sizes, None)
+    train_loader, _ = unet.make_loaders(cfg, train_source, val_source, values)
+    train_set = train_loader.dataset
+    epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset)
+    steps = len(sizes)
+
+    def new_model():
+        set_seed(cfg.seed)  # the same initial weights in every variant
+        model = unet.UNet(cfg.num_classes, cfg.base_channels, cfg.bilinear)
+        if cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return model, optimizer
+
+    def step(model, optimizer, x, y):
+        """The recipe's training step with nothing around it: loss, backward, clipping, AdamW."""
+        loss = unet.loss_per_image(model(x), y, cfg.num_classes).mean()
+        accelerator.backward(loss)
+        if cfg.grad_clip:
+            accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def setup_recipe():
+        model, optimizer = new_model()
+        model, optimizer, loader = accelerator.prepare(model, optimizer, train_loader)
+        # As main(): the cosine schedule over all epochs' optimizer steps, stepped by train_one_epoch.
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, cfg.epochs * epoch_steps)
+        progress = {"epoch": 1, "batches_done": 0, "step": 0, "best_dice": -1.0}
+
+        def rep():
+            loader.set_epoch(progress["epoch"])  # as main() does: a new order every epoch
+            loader.dataset.epoch = progress["epoch"]  # and new augmentations
+            skip = epoch_steps - steps
+            epoch_loader = accelerator.skip_first_batches(loader, skip) if skip else loader
+            progress["batches_done"] = skip
+            train, stop = unet.train_one_epoch(model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress,
+                                               values)
+            if stop:  # Ctrl-C: train_one_epoch stopped (and wrote a checkpoint to the scratch dir)
+                raise KeyboardInterrupt
+            progress["epoch"] += 1
+            rep.peak_mb = train["peak_memory_mb"]
+            return sum(sizes)
+
+        return rep
+
+    def setup_bound():
+        model, optimizer = new_model()
+        model, optimizer = accelerator.prepare(model, optimizer)
+        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed))
+        batches, start = [], 0
+        for n in sizes:  # the recipe's samples, flips included, as float images on the device
+            pairs = [train_set[i] for i in order[start:start + n].tolist()]
+            start += n
+            x, y = (torch.stack(t) for t in zip(*pairs))
+            batches.append((unet.prepare_input(x.to(device), cfg), y.to(device)))
+
+        def rep():
+            model.train()
+            for x, y in batches:
+                step(model, optimizer, x, y)
+            return sum(sizes)
+
+        return rep
+
+    def setup_classic(workers):
+        def setup():
+            model, optimizer = new_model()
+            model, optimizer = accelerator.prepare(model, optimizer)
+            dataset = ClassicSegmentation(train_source, values)
+            # The tutorial pins memory; only a GPU has pinned memory (on a CPU, torch warns and ignores it).
+            loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, num_workers=workers,
+                                pin_memory=device.type == "cuda")
+
+            def rep():
+                model.train()
+                samples = 0
+                for i, (x, y) in enumerate(loader):
+                    if i == steps:
+                        break
+                    x = x.to(device=device, dtype=torch.float32)
+                    y = y.to(device=device, dtype=torch.long)
+                    step(model, optimizer, x, y)
+                    samples += len(y)
+                return samples
+
+            return rep
+
+        return setup
+
+    info = {
+        "dataset": cfg.dataset,
+        "train_samples": len(train_set),
+        "batch_size": cfg.batch_size,
+        "steps_per_rep": steps,
+        "samples_per_rep": sum(sizes),
+        "model": f"UNet(base_channels={cfg.base_channels})",
+        "optimizer": f"AdamW(lr={cfg.lr}, weight_decay={cfg.weight_decay}), gradient norm clipped to {cfg.grad_clip}",
+        "recipe_loop": f"recipes/unet.py make_loaders + train_one_epoch (num_workers {cfg.num_workers})",
+        "startup_cmd": [sys.executable, "recipes/unet.py", "--dataset", cfg.dataset, "--smoke",
+                        "--smoke_steps", "1"],
+        "startup_marker": "unet: ",  # main() prints this line after data, model and prepare()
+        "what": {
+            "recipe": "recipe's make_loaders + train_one_epoch",
+            "bound": "float batches already on the device",
+            "classic_w0": "PIL -> numpy -> tensor per sample, DataLoader num_workers 0",
+            f"classic_w{cfg.num_workers}": f"the same with num_workers {cfg.num_workers}, as the recipe",
+        },
+    }
+    variants = {
+        "recipe": setup_recipe,
+        "bound": setup_bound,
+        "classic_w0": setup_classic(0),
+        f"classic_w{cfg.num_workers}": setup_classic(cfg.num_workers),
+    }
+    return info, variants
+
+
+# Each recipe's bench, and its defaults for what the command line leaves out. A U-Net step takes
+# about 0.8 s on 2 CPU cores, so the U-Net measures 3 repetitions, not 7: 4 variants x (1 + 3)
+# epochs of data/shapes (23 steps) take about 5 minutes there. Still whole epochs: the recipe
+# starts new DataLoader workers every epoch, and the first step after that fork takes about 2 s
+# longer there (kernel time in the training process); the last 8 steps of an epoch would count
+# that cost 3 times over.
+RECIPES = {
+    "mnist": (bench_mnist, {"dataset": "data/mnist_sample", "steps": 0, "reps": 7}),
+    "unet": (bench_unet, {"dataset": "data/shapes", "steps": 0, "reps": 3}),
+}
 
 
 # ---------------------------------------------------------------------------------------- driver
@@ -243,8 +430,8 @@ def measure(variants, device, warmup, reps):
             res = results[name]
             res["samples"].append(samples)
             res["seconds"].append(round(seconds, 4))
-            res["samples_per_s"].append(round(samples / seconds, 1))
-        print(f"  round {r + 1}/{reps}: " + ", ".join(f"{n} {res['samples_per_s'][-1]:.0f}"
+            res["samples_per_s"].append(round(samples / seconds, 2))  # 2 decimals: a U-Net on a CPU does ~10/s
+        print(f"  round {r + 1}/{reps}: " + ", ".join(f"{n} {rate(res['samples_per_s'][-1])}"
                                                     for n, res in results.items()), flush=True)
     for res in results.values():
         res["median_samples_per_s"] = statistics.median(res["samples_per_s"])
@@ -295,16 +482,24 @@ def device_name(device):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    per_recipe = "; ".join(f"{name}: " + ", ".join(f"--{k} {v}" for k, v in defaults.items())
+                           for name, (_, defaults) in RECIPES.items())
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"Defaults per recipe: {per_recipe}.")
     p.add_argument("--recipe", choices=sorted(RECIPES), default="mnist")
-    p.add_argument("--dataset", default="data/mnist_sample", help="what the recipe's --dataset takes")
-    p.add_argument("--steps", type=int, default=0, help="optimizer steps per repetition (0: one epoch)")
-    p.add_argument("--reps", type=int, default=7, help="measured repetitions of each variant")
+    p.add_argument("--dataset", help="what the recipe's --dataset takes (default: per recipe)")
+    p.add_argument("--steps", type=int, help="optimizer steps per repetition, the last of an epoch (0: one epoch; "
+                                             "default: per recipe)")
+    p.add_argument("--reps", type=int, help="measured repetitions of each variant (default: per recipe)")
     p.add_argument("--warmup", type=int, default=1, help="repetitions of each variant before measuring")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, all variants")
     p.add_argument("--startup_runs", type=int, default=3, help="recipe launches to time (0: skip)")
-    p.add_argument("--json", default="runs/bench/bench.json")
+    p.add_argument("--json", help="where to write the results (default runs/bench/<recipe>.json)")
     args = p.parse_args()
+    bench, defaults = RECIPES[args.recipe]
+    for key, value in defaults.items():  # what the command line left out
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.json = args.json or f"runs/bench/{args.recipe}.json"
     if args.steps < 0 or args.reps < 1 or args.warmup < 0 or args.threads < 1 or args.startup_runs < 0:
         p.error("--steps, --warmup and --startup_runs cannot be negative; --reps and --threads must be at least 1")
 
@@ -317,7 +512,7 @@ def main():
     workdir = tempfile.mkdtemp(prefix="bench-")
     args.workdir = str(Path(workdir) / "recipe")
     try:
-        info, variants = RECIPES[args.recipe](args, accelerator)
+        info, variants = bench(args, accelerator)
         print(f"{args.recipe}: {info['steps_per_rep']} steps = {info['samples_per_rep']} samples per repetition, "
               f"{args.warmup} warm-up + {args.reps} measured each, interleaved, {args.threads} threads, "
               f"{device.type} ({device_name(device)}), precision {accelerator.mixed_precision}", flush=True)
@@ -369,12 +564,9 @@ def main():
         report["startup_median_s"] = statistics.median(s["to_first_step_s"] for s in startup)
 
     print(f"\n{'variant':<12} {'median/s':>9} {'best/s':>8} {'worst/s':>8} {'peak MB':>8}  what")
-    what = {"recipe": "recipe's make_loaders + train_one_epoch", "bound": "normalised batches already on the device",
-            "classic_w0": "PIL -> ToTensor -> Normalize, DataLoader num_workers 0",
-            "classic_w1": "the same with num_workers 1"}
     for name, res in results.items():
-        print(f"{name:<12} {res['median_samples_per_s']:>9.0f} {res['best_samples_per_s']:>8.0f} "
-              f"{min(res['samples_per_s']):>8.0f} {res['peak_memory_mb']:>8.0f}  {what.get(name, '')}")
+        print(f"{name:<12} {rate(res['median_samples_per_s']):>9} {rate(res['best_samples_per_s']):>8} "
+              f"{rate(min(res['samples_per_s'])):>8} {res['peak_memory_mb']:>8.0f}  {info['what'][name]}")
     for other, key in (("bound", "bound"), (f"classic ({classic}, the faster median)", "classic")):
         print(f"recipe/{other}: {report[f'recipe_over_{key}']:.3f} ratio of medians, "
               f"{report[f'recipe_over_{key}_paired']:.3f} median of per-round ratios, "
