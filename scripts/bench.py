@@ -390,10 +390,10 @@ def bench_unet(args, accelerator):
 
 # Each recipe's bench, and its defaults for what the command line leaves out. A U-Net step takes
 # about 0.8 s on 2 CPU cores, so the U-Net measures 3 repetitions, not 7: 4 variants x (1 + 3)
-# epochs of data/shapes (23 steps) take about 5 minutes there. Still whole epochs: the recipe
-# starts new DataLoader workers every epoch, and the first step after that fork takes about 2 s
-# longer there (kernel time in the training process); the last 8 steps of an epoch would count
-# that cost 3 times over.
+# epochs of data/shapes (23 steps) take about 5 minutes there. Still whole epochs: a shorter
+# repetition reaches its batches through skip_first_batches, whose new DataLoader starts new
+# workers every repetition, and the first step after that fork takes about 2 s longer there
+# (kernel time in the training process), a cost that training pays once, not every epoch.
 RECIPES = {
     "mnist": (bench_mnist, {"dataset": "data/mnist_sample", "steps": 0, "reps": 7}),
     "unet": (bench_unet, {"dataset": "data/shapes", "steps": 0, "reps": 3}),
