@@ -134,9 +134,10 @@ def bench_mnist(args, accelerator):
     device = accelerator.device
     cfg = mnist.Config(dataset=args.dataset, output_dir=args.workdir, max_steps=0, checkpoint_every_steps=0)
     cfg.validate()
-    train_loader, _ = mnist.make_loaders(cfg)  # the recipe's own data path
+    # The recipe's own data path, where main() puts it: on the GPU with data_on_device (the default).
+    train_loader, _ = mnist.make_loaders(cfg, device if cfg.data_on_device else "cpu")
     train_set = train_loader.dataset
-    images, labels = train_set.tensors  # uint8 [N, 1, 28, 28], int64 [N]
+    images, labels = (t.cpu() for t in train_set.tensors)  # uint8 [N, 1, 28, 28], int64 [N]
     epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset)
     steps = len(sizes)
 
@@ -214,7 +215,8 @@ def bench_mnist(args, accelerator):
         "samples_per_rep": sum(sizes),
         "model": "BasicNet",
         "optimizer": f"Adadelta(lr={cfg.lr})",
-        "recipe_loop": f"recipes/mnist.py make_loaders + train_one_epoch (num_workers {cfg.num_workers})",
+        "recipe_loop": f"recipes/mnist.py make_loaders + train_one_epoch (num_workers {cfg.num_workers}, "
+                       f"data_on_device {cfg.data_on_device})",
         "startup_cmd": [sys.executable, "recipes/mnist.py", "--dataset", cfg.dataset, "--smoke",
                         "--smoke_steps", "1"],
         "startup_marker": "mnist: ",  # main() prints this line after data, model and prepare()
