@@ -5,7 +5,7 @@ import os
 import torch
 
 
-def set_deterministic(enabled):
+def set_deterministic(enabled, benchmark=True):
     """Reproducible kernels (enabled=True) or the fastest ones (enabled=False, the usual default).
 
     Call it once at start-up, before any CUDA work: cuBLAS reads CUBLAS_WORKSPACE_CONFIG when
@@ -24,7 +24,7 @@ def set_deterministic(enabled):
     enabled=False: cudnn.benchmark times the convolution algorithms for each new input shape
     and keeps the fastest. With fixed shapes that is the fastest setting; with many different
     shapes (bucketing by native image size) every new shape is timed once, so round the sizes
-    to a few values. Results then vary in the last bits between runs.
+    to a few values, or pass benchmark=False. Results then vary in the last bits between runs.
 
     On the CPU it changes little: most CPU kernels are deterministic already.
     """
@@ -32,4 +32,4 @@ def set_deterministic(enabled):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(enabled, warn_only=False)
     torch.backends.cudnn.deterministic = enabled
-    torch.backends.cudnn.benchmark = not enabled
+    torch.backends.cudnn.benchmark = benchmark and not enabled

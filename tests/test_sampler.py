@@ -161,6 +161,8 @@ def test_deterministic_mode_sets_the_flags(restore_determinism):
     set_deterministic(False)
     assert not torch.are_deterministic_algorithms_enabled()
     assert not torch.backends.cudnn.deterministic and torch.backends.cudnn.benchmark
+    set_deterministic(False, benchmark=False)  # what the U-Net's bucket_by_size asks for
+    assert not torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
 
 
 def test_deterministic_mode_keeps_a_workspace_setting_of_the_user(restore_determinism):
