@@ -110,6 +110,26 @@ def bound_step(accelerator, model, optimizer, x, y):
     optimizer.zero_grad()
 
 
+def recipe_rep(accelerator, loader, progress, epoch_steps, sizes, train_epoch):
+    """A repetition of the recipe variant, run as main() runs an epoch: set_epoch (and the
+    U-Net's augmentation epoch), then the last len(sizes) batches of the epoch, reached through
+    skip_first_batches as a mid-epoch resume does, trained by train_epoch(loader)."""
+    def rep():
+        loader.set_epoch(progress["epoch"])  # a new order every epoch
+        if hasattr(loader.dataset, "epoch"):
+            loader.dataset.epoch = progress["epoch"]  # and new augmentations
+        skip = epoch_steps - len(sizes)
+        progress["batches_done"] = skip
+        train, stop = train_epoch(accelerator.skip_first_batches(loader, skip) if skip else loader)
+        if stop:  # Ctrl-C: train_one_epoch stopped (and wrote a checkpoint to the scratch dir)
+            raise KeyboardInterrupt
+        progress["epoch"] += 1
+        rep.peak_mb = train["peak_memory_mb"]
+        return sum(sizes)
+
+    return rep
+
+
 # ---------------------------------------------------------------------------------------- MNIST
 
 
@@ -153,19 +173,8 @@ def bench_mnist(args, accelerator):
         model, optimizer, loader = accelerator.prepare(model, optimizer, train_loader)
         progress = {"epoch": 1, "batches_done": 0, "step": 0, "best_accuracy": -1.0}
 
-        def rep():
-            loader.set_epoch(progress["epoch"])  # as main() does: a new order every epoch
-            skip = epoch_steps - steps
-            epoch_loader = accelerator.skip_first_batches(loader, skip) if skip else loader
-            progress["batches_done"] = skip
-            train, stop = mnist.train_one_epoch(model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress)
-            if stop:  # Ctrl-C: train_one_epoch stopped (and wrote a checkpoint to the scratch dir)
-                raise KeyboardInterrupt
-            progress["epoch"] += 1
-            rep.peak_mb = train["peak_memory_mb"]
-            return sum(sizes)
-
-        return rep
+        return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, lambda epoch_loader: mnist.train_one_epoch(
+            model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress))
 
     def setup_bound():
         model, optimizer = new_model()
@@ -302,21 +311,8 @@ def bench_unet(args, accelerator):
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, cfg.epochs * epoch_steps)
         progress = {"epoch": 1, "batches_done": 0, "step": 0, "best_dice": -1.0}
 
-        def rep():
-            loader.set_epoch(progress["epoch"])  # as main() does: a new order every epoch
-            loader.dataset.epoch = progress["epoch"]  # and new augmentations
-            skip = epoch_steps - steps
-            epoch_loader = accelerator.skip_first_batches(loader, skip) if skip else loader
-            progress["batches_done"] = skip
-            train, stop = unet.train_one_epoch(model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress,
-                                               values)
-            if stop:  # Ctrl-C: train_one_epoch stopped (and wrote a checkpoint to the scratch dir)
-                raise KeyboardInterrupt
-            progress["epoch"] += 1
-            rep.peak_mb = train["peak_memory_mb"]
-            return sum(sizes)
-
-        return rep
+        return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, lambda epoch_loader: unet.train_one_epoch(
+            model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress, values))
 
     def setup_bound():
         model, optimizer = new_model()
