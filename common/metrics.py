@@ -63,7 +63,11 @@ class TrainLoss:
 
 
 class Throughput:
-    """Samples per second over all ranks, measured on the main process's wall clock."""
+    """Samples per second of the whole job: every rank's samples over the main process's wall clock.
+
+        speed.update(len(x))           # every batch, on the host
+        speed.compute(accelerator)     # a collective: call on every rank
+    """
 
     def __init__(self):
         self.start = time.perf_counter()
@@ -72,8 +76,10 @@ class Throughput:
     def update(self, n):
         self.samples += n
 
-    def compute(self, num_processes):
-        return self.samples * num_processes / max(time.perf_counter() - self.start, 1e-9)
+    def compute(self, accelerator):
+        # Summed, not multiplied by the process count: bucketed batches differ in size across ranks.
+        samples = accelerator.reduce(torch.tensor(float(self.samples), device=accelerator.device), "sum").item()
+        return samples / max(time.perf_counter() - self.start, 1e-9)
 
 
 class MetricsLog:

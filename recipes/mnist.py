@@ -195,7 +195,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
         skipped += accelerator.optimizer_step_was_skipped  # fp16: the scaler skipped an overflowing step
         if cfg.log_with != "none" and progress["step"] % cfg.log_every == 0:  # all ranks: window() is a collective
             accelerator.log({"train/loss": losses.window(accelerator), "train/lr": optimizer.param_groups[0]["lr"],
-                             "train/samples_per_s": window_speed.compute(accelerator.num_processes)},
+                             "train/samples_per_s": window_speed.compute(accelerator)},
                             step=progress["step"])
             window_speed = Throughput()
         stop = stop_requested(accelerator, progress["step"]) or progress["step"] == max_steps
@@ -209,7 +209,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
     losses.check(accelerator, progress["step"], checkpoints)  # before the epoch-end checkpoint
     return {
         "train_loss": losses.mean(accelerator),
-        "train_samples_per_s": speed.compute(accelerator.num_processes),
+        "train_samples_per_s": speed.compute(accelerator),
         "skipped_steps": skipped,
         "peak_memory_mb": peak_memory_mb(accelerator.device),
     }, stop
