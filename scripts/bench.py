@@ -130,6 +130,22 @@ def recipe_rep(accelerator, loader, progress, epoch_steps, sizes, train_epoch):
     return rep
 
 
+def classic_rep(model, loader, steps, device, train_step):
+    """A repetition of a tutorial loop: the first `steps` batches of `loader`, each sent to the
+    device per batch as the tutorials do (images float32, targets int64), then train_step(x, y)."""
+    def rep():
+        model.train()
+        samples = 0
+        for i, (x, y) in enumerate(loader):
+            if i == steps:
+                break
+            train_step(x.to(device, torch.float32), y.to(device, torch.long))
+            samples += len(y)
+        return samples
+
+    return rep
+
+
 # ---------------------------------------------------------------------------------------- MNIST
 
 
@@ -201,18 +217,7 @@ def bench_mnist(args, accelerator):
             dataset = ClassicMNIST(images[:, 0].numpy(), labels.numpy())
             loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, num_workers=workers)
 
-            def rep():
-                model.train()
-                samples = 0
-                for i, (x, y) in enumerate(loader):
-                    if i == steps:
-                        break
-                    x, y = x.to(device), y.to(device)
-                    bound_step(accelerator, model, optimizer, x, y)
-                    samples += len(y)
-                return samples
-
-            return rep
+            return classic_rep(model, loader, steps, device, lambda x, y: bound_step(accelerator, model, optimizer, x, y))
 
         return setup
 
@@ -342,19 +347,7 @@ def bench_unet(args, accelerator):
             loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, num_workers=workers,
                                 pin_memory=device.type == "cuda")
 
-            def rep():
-                model.train()
-                samples = 0
-                for i, (x, y) in enumerate(loader):
-                    if i == steps:
-                        break
-                    x = x.to(device=device, dtype=torch.float32)
-                    y = y.to(device=device, dtype=torch.long)
-                    step(model, optimizer, x, y)
-                    samples += len(y)
-                return samples
-
-            return rep
+            return classic_rep(model, loader, steps, device, lambda x, y: step(model, optimizer, x, y))
 
         return setup
 
