@@ -32,11 +32,15 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
     """An Accelerator whose process count is what the launcher asked for.
 
     Machine settings (processes, precision, machines) come from the accelerate config,
-    never from here. Two things are decided here:
+    never from here. Three things are decided here:
     - on a machine with no GPU, a multi-process launch runs real DDP over gloo on the CPU.
       Without this, Accelerate quietly starts N independent single-process trainings.
     - the data order is a function of (seed, epoch) only (`use_seedable_sampler`), so it is
       the same on every rank, changes every epoch, and can be replayed on resume.
+    - prepared loaders copy batches to the GPU with non_blocking=True. A blocking copy from
+      the CPU makes PyTorch wait until the GPU has finished all the work queued so far, once
+      per batch, so the GPU idles while Python fetches the next batch. Give such loaders
+      pin_memory=True: only a copy from pinned memory is truly asynchronous.
     """
     _ask_for_lomo_once()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -52,7 +56,7 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
     accelerator = Accelerator(
         cpu=cpu_ddp,
         gradient_accumulation_steps=gradient_accumulation_steps,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed, non_blocking=True),
         # A rank that dies mid-collective brings the others down after this long, not never.
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))],
         **kwargs,

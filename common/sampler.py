@@ -156,8 +156,10 @@ def bucket_loader(dataset, sizes, max_batch_pixels, accelerator, train, seed=0, 
     """
     sampler = BucketBatchSampler(sizes, max_batch_pixels, accelerator.num_processes, accelerator.process_index,
                                  seed=seed, shuffle=train, max_batch_size=max_batch_size, even_batches=train)
+    on_gpu = accelerator.device.type == "cuda"
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers,
-                        persistent_workers=num_workers > 0)  # not restarted every epoch
+                        persistent_workers=num_workers > 0,  # not restarted every epoch
+                        pin_memory=on_gpu)  # with non_blocking: the copy to the GPU does not wait for it
     # num_processes=1: the sampler is already this rank's shard; Accelerate must not deal it out again.
     return prepare_data_loader(loader, accelerator.device, num_processes=1, process_index=0,
-                               put_on_device=accelerator.device_placement)
+                               put_on_device=accelerator.device_placement, non_blocking=accelerator.non_blocking)

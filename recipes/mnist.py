@@ -114,10 +114,12 @@ class TensorBatches(TensorDataset):
     """A TensorDataset that the DataLoader reads a whole batch at a time (`__getitems__`): one
     indexing operation per batch instead of one per sample plus a collate. Its tensors may live
     on the GPU: the sampler still picks the indices (sharding, shuffling, resume are unchanged)
-    and the batch is gathered where the data is, with no host-to-device copy per step."""
+    and the batch is gathered where the data is; only the indices are copied per step."""
 
     def __getitems__(self, indices):
-        indices = torch.as_tensor(indices, device=self.tensors[0].device)
+        indices = torch.as_tensor(indices)
+        if self.tensors[0].is_cuda:  # a plain copy to the GPU would wait for all its queued work
+            indices = indices.pin_memory().to(self.tensors[0].device, non_blocking=True)
         return tuple(t[indices] for t in self.tensors)
 
 
@@ -138,10 +140,12 @@ def to_tensors(split, cfg, name, device):
 
 
 def make_loaders(cfg, device="cpu"):
-    """Plain single-process DataLoaders over tensors on `device`; accelerator.prepare() shards
-    and reshuffles them."""
-    if torch.device(device).type == "cuda" and cfg.num_workers:
+    """Plain single-process DataLoaders for training on `device`; accelerator.prepare() shards
+    and reshuffles them. On a GPU the tensors live there (data_on_device) or in pinned memory."""
+    on_gpu = torch.device(device).type == "cuda"
+    if on_gpu and cfg.data_on_device and cfg.num_workers:
         raise UserError("DataLoader workers cannot read data kept on the GPU: set num_workers 0 or data_on_device false")
+    pin, device = on_gpu and not cfg.data_on_device, device if cfg.data_on_device else "cpu"
     splits = load_splits(cfg.dataset, [cfg.train_split, cfg.test_split], [cfg.image_column, cfg.label_column])
     train_set = to_tensors(splits[cfg.train_split], cfg, cfg.train_split, device)
     test_set = to_tensors(splits[cfg.test_split], cfg, cfg.test_split, device)
@@ -150,9 +154,9 @@ def make_loaders(cfg, device="cpu"):
     # uninterrupted one (an extra draw at resume would shift them all).
     # collate_fn=tuple: TensorBatches already returns the batch as (images, labels).
     train_loader = DataLoader(train_set, cfg.batch_size, shuffle=True, num_workers=cfg.num_workers, collate_fn=tuple,
-                              generator=torch.Generator().manual_seed(cfg.seed))
+                              pin_memory=pin, generator=torch.Generator().manual_seed(cfg.seed))
     test_loader = DataLoader(test_set, cfg.eval_batch_size, num_workers=cfg.num_workers, collate_fn=tuple,
-                             generator=torch.Generator().manual_seed(cfg.seed))
+                             pin_memory=pin, generator=torch.Generator().manual_seed(cfg.seed))
     return train_loader, test_loader
 
 
@@ -251,7 +255,7 @@ def main(cfg):
 
     # 2. Data: every process loads it (the datasets cache is locked, so one download serves all;
     # bad data then fails the same way on every rank) and prepare() below gives each a shard.
-    train_loader, test_loader = make_loaders(cfg, accelerator.device if cfg.data_on_device else "cpu")
+    train_loader, test_loader = make_loaders(cfg, accelerator.device)
     global_batch = cfg.batch_size * accelerator.num_processes
     if len(train_loader.dataset) < global_batch:
         raise DataError(

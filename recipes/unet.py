@@ -365,8 +365,9 @@ class SegmentationSet(Dataset):
         return image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor)
 
 
-def make_loaders(cfg, train_source, val_source, values):
-    """Plain single-process DataLoaders; accelerator.prepare() shards and reshuffles them."""
+def make_loaders(cfg, train_source, val_source, values, pin_memory=False):
+    """Plain single-process DataLoaders; accelerator.prepare() shards and reshuffles them.
+    pin_memory: training on a GPU (the prepared loader then copies batches without waiting for it)."""
     sized = [v2.Resize((cfg.image_size, cfg.image_size), antialias=True)] if cfg.image_size else []
     crop = [v2.RandomCrop(cfg.crop_size)] if cfg.crop_size else []
     train_tf = v2.Compose([*sized, *crop, v2.RandomHorizontalFlip(cfg.hflip), v2.RandomVerticalFlip(cfg.vflip)])
@@ -377,7 +378,7 @@ def make_loaders(cfg, train_source, val_source, values):
         # persistent_workers: starting the workers every epoch costs seconds (the first batches wait).
         return DataLoader(SegmentationSet(source, values, transform, cfg.seed), batch_size, shuffle=shuffle,
                           num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0,
-                          generator=torch.Generator().manual_seed(cfg.seed))
+                          pin_memory=pin_memory, generator=torch.Generator().manual_seed(cfg.seed))
 
     return loader(train_source, train_tf, cfg.batch_size, True), loader(val_source, val_tf, cfg.eval_batch_size, False)
 
@@ -656,7 +657,8 @@ def main(cfg):
         train_loader, val_loader, budget = make_bucket_loaders(cfg, accelerator, train_source, val_source, values, sizes)
         shapes = f"their own sizes, in batches of at most {budget} padded pixels"
     else:
-        train_loader, val_loader = make_loaders(cfg, train_source, val_source, values)
+        train_loader, val_loader = make_loaders(cfg, train_source, val_source, values,
+                                                pin_memory=accelerator.device.type == "cuda")
         shapes = f"{input_size[1]}x{input_size[0]}"
 
     # 3. Model, optimizer and schedule.

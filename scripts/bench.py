@@ -171,7 +171,7 @@ def bench_mnist(args, accelerator):
     cfg = mnist.Config(dataset=args.dataset, output_dir=args.workdir, max_steps=0, checkpoint_every_steps=0)
     cfg.validate()
     # The recipe's own data path, where main() puts it: on the GPU with data_on_device (the default).
-    train_loader, _ = mnist.make_loaders(cfg, device if cfg.data_on_device else "cpu")
+    train_loader, _ = mnist.make_loaders(cfg, device)
     train_set = train_loader.dataset
     images, labels = (t.cpu() for t in train_set.tensors)  # uint8 [N, 1, 28, 28], int64 [N]
     epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset)
@@ -287,7 +287,7 @@ def bench_unet(args, accelerator):
     train_source, val_source = unet.open_sources(cfg)
     found, image_sizes = unet.scan_masks(accelerator, [train_source, val_source])
     values, _ = unet.mask_values_and_size(cfg, found, image_sizes, None)
-    train_loader, _ = unet.make_loaders(cfg, train_source, val_source, values)
+    train_loader, _ = unet.make_loaders(cfg, train_source, val_source, values, pin_memory=device.type == "cuda")
     train_set = train_loader.dataset
     epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset)
     steps = len(sizes)

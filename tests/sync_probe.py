@@ -1,0 +1,61 @@
+"""Launched by test_gpu.py on one GPU: does fetching a training batch ever make Python wait for the GPU?
+
+A blocking copy from the CPU to the GPU (or an .item()) waits until the GPU has run all the work
+queued before it, so the GPU then idles while the next batch is fetched. With
+torch.cuda.set_sync_debug_mode("error") every such wait raises. The loaders are the recipes'
+own, prepared as their main() prepares them.
+
+    python tests/sync_probe.py MNIST_DIR SHAPES_DIR
+"""
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.runtime import build_accelerator, close  # noqa: E402
+
+
+def load_recipe(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_recipe", REPO / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+mnist_dir, shapes_dir = sys.argv[1:3]
+mnist, unet = load_recipe("mnist"), load_recipe("unet")
+accelerator = build_accelerator()
+device = accelerator.device
+assert device.type == "cuda", device
+
+loaders = {}
+for on_device in (True, False):
+    cfg = mnist.Config(dataset=mnist_dir, data_on_device=on_device, batch_size=32)
+    loaders[f"mnist data_on_device {on_device}"] = accelerator.prepare(mnist.make_loaders(cfg, device)[0])
+cfg = unet.Config(dataset=shapes_dir, batch_size=4, num_workers=2)
+train_source, val_source = unet.open_sources(cfg)
+found, sizes = unet.scan_masks(accelerator, [train_source, val_source])
+values, _ = unet.mask_values_and_size(cfg, found, sizes, None)
+loaders["unet"] = accelerator.prepare(unet.make_loaders(cfg, train_source, val_source, values, pin_memory=True)[0])
+bucketed = dataclasses.replace(cfg, bucket_by_size=True)
+loaders["unet bucket_by_size"] = unet.make_bucket_loaders(bucketed, accelerator, train_source, val_source, values,
+                                                          sizes)[0]
+
+for name, loader in loaders.items():
+    for epoch in (1, 2):  # the second epoch: persistent workers, a reshuffled order
+        loader.set_epoch(epoch)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            batches = [batch for batch in loader]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert all(t.device.type == "cuda" for batch in batches for t in batch), name
+    print(f"{name}: {len(batches)} batches, no wait for the GPU", flush=True)
+del loaders, loader, batches
+close(accelerator)
