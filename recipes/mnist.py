@@ -227,14 +227,15 @@ def evaluate(model, loader, accelerator):
     drops that padding, so each test sample is counted exactly once.
     """
     model.eval()
-    correct = samples = loss_sum = 0.0
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # correct, loss sum, samples
     for x, y in loader:
         logits = model(normalize(x))
         loss = F.cross_entropy(logits, y, reduction="none")
         preds, y, loss = accelerator.gather_for_metrics((logits.argmax(1), y, loss))
-        correct += (preds == y).sum().item()
-        loss_sum += loss.sum().item()
-        samples += len(y)
+        totals[0] += (preds == y).sum()
+        totals[1] += loss.sum()
+        totals[2] += len(y)
+    correct, loss_sum, samples = totals.tolist()  # the only wait for the GPU
     return {"accuracy": correct / samples, "eval_loss": loss_sum / samples, "eval_samples": int(samples)}
 
 
