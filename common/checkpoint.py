@@ -33,8 +33,10 @@ from common.config import UserError
 
 
 def save_weights(accelerator, model, path, metadata=None):
-    """Write the unwrapped model's weights from the main process, atomically (temp file + rename)."""
+    """Write the unwrapped model's weights from the main process, atomically (temp file + rename).
+    The keys are the plain model's, also when the accelerate config compiles it (dynamo_backend)."""
     state = accelerator.get_state_dict(model)  # collective under FSDP/DeepSpeed: every rank calls it
+    state = _strip_prefix(state, "_orig_mod.")  # unwrap_model keeps torch.compile's wrapper
     if accelerator.is_main_process:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")

@@ -117,9 +117,11 @@ def describe(accelerator, batch_size):
     if precision == "fp16" and accelerator.device.type == "cpu":
         precision = "fp16 requested, but the CPU runs fp16 configs in fp32 (use bf16 on CPU)"
     backend = f", {accelerator.state.backend}" if accelerator.num_processes > 1 else ""
+    dynamo = accelerator.state.dynamo_plugin.backend  # the accelerate config's dynamo_backend
+    compiled = f", torch.compile backend {dynamo.value.lower()}" if dynamo.value != "NO" else ""
     return (
         f"{accelerator.num_processes} process(es) on {accelerator.device.type}{backend}, "
-        f"precision {precision}, batch {batch_size} per process = "
+        f"precision {precision}{compiled}, batch {batch_size} per process = "
         f"{batch_size * accelerator.num_processes * accelerator.gradient_accumulation_steps} per optimizer step"
     )
 
