@@ -4,6 +4,7 @@
     python scripts/bench.py --reps 7 --json runs/bench/cpu.json
     python scripts/bench.py --dataset ylecun/mnist --steps 300   # full MNIST (hub or its local cache)
     python scripts/bench.py --recipe unet                    # U-Net on data/shapes: about 6 minutes on 2 CPU cores
+    python scripts/bench.py --recipe unet --also channels_last compile   # and the recipe with these
     accelerate launch --config_file accelerate_configs/bf16.yaml --num_processes 1 scripts/bench.py
 
 One process trains the same model (the recipe's own class, optimizer, batch size and the
@@ -29,12 +30,18 @@ least disturbed one), and the median of the per-round ratios.
 All share one torch thread count (`--threads`). Then the recipe is launched `--startup_runs`
 times as a subprocess to time its start-up.
 
+`--also` (U-Net) adds the recipe with its `channels_last` setting and/or with the model
+compiled as the accelerate config's `dynamo_backend: INDUCTOR` compiles it (torch.compile after
+prepare()), to the same rounds; the report gives each one's speed over the plain recipe's.
+Compiling happens in the warm-up repetition.
+
 Prints a table and writes JSON (default runs/bench/<recipe>.json). Not a test: the figures depend
 on the machine. Adding a recipe: write a `bench_<name>(args, accelerator)` like bench_mnist and
 add it to RECIPES with its defaults.
 """
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -292,7 +299,7 @@ def bench_unet(args, accelerator):
     epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset)
     steps = len(sizes)
 
-    def new_model():
+    def new_model(cfg=cfg):
         set_seed(cfg.seed)  # the same initial weights in every variant
         model = unet.UNet(cfg.num_classes, cfg.base_channels, cfg.bilinear)
         if cfg.channels_last:
@@ -309,9 +316,11 @@ def bench_unet(args, accelerator):
         optimizer.step()
         optimizer.zero_grad()
 
-    def setup_recipe():
-        model, optimizer = new_model()
+    def setup_recipe(cfg=cfg, compile_model=False):
+        model, optimizer = new_model(cfg)
         model, optimizer, loader = accelerator.prepare(model, optimizer, train_loader)
+        if compile_model:  # what prepare() does when the accelerate config sets dynamo_backend INDUCTOR
+            model = torch.compile(model)
         # As main(): the cosine schedule over all epochs' optimizer steps, stepped by train_one_epoch.
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, cfg.epochs * epoch_steps)
         progress = {"epoch": 1, "batches_done": 0, "step": 0, "best_dice": -1.0}
@@ -376,6 +385,12 @@ def bench_unet(args, accelerator):
         "classic_w0": setup_classic(0),
         f"classic_w{cfg.num_workers}": setup_classic(cfg.num_workers),
     }
+    if "channels_last" in args.also:
+        info["what"]["recipe_cl"] = "the recipe with --channels_last true (model and batches NHWC)"
+        variants["recipe_cl"] = lambda: setup_recipe(dataclasses.replace(cfg, channels_last=True))
+    if "compile" in args.also:
+        info["what"]["recipe_compile"] = "the recipe, model compiled (torch.compile, inductor) after prepare()"
+        variants["recipe_compile"] = lambda: setup_recipe(compile_model=True)
     return info, variants
 
 
@@ -485,6 +500,8 @@ def main():
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, all variants")
     p.add_argument("--startup_runs", type=int, default=3, help="recipe launches to time (0: skip)")
     p.add_argument("--json", help="where to write the results (default runs/bench/<recipe>.json)")
+    p.add_argument("--also", nargs="+", default=[], choices=["channels_last", "compile"],
+                   help="U-Net: also measure the recipe with channels_last, or compiled (see above)")
     args = p.parse_args()
     bench, defaults = RECIPES[args.recipe]
     for key, value in defaults.items():  # what the command line left out
@@ -493,6 +510,8 @@ def main():
     args.json = args.json or f"runs/bench/{args.recipe}.json"
     if args.steps < 0 or args.reps < 1 or args.warmup < 0 or args.threads < 1 or args.startup_runs < 0:
         p.error("--steps, --warmup and --startup_runs cannot be negative; --reps and --threads must be at least 1")
+    if args.also and args.recipe != "unet":
+        p.error("--also is for --recipe unet")
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -543,6 +562,10 @@ def main():
         # the least disturbed one.
         "recipe_over_bound_best": round(best["recipe"] / best["bound"], 3),
         "recipe_over_classic_best": round(best["recipe"] / max(v for n, v in best.items() if n.startswith("classic")), 3),
+        # --also: each variant's speed over the plain recipe's.
+        "also_over_recipe": {name: {"ratio_of_medians": round(med[name] / med["recipe"], 3),
+                                    "paired": paired(results, name, "recipe")}
+                             for name in results if name.startswith("recipe_")},
         "load_average_1min": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2),
                               "cpu_cores": os.cpu_count()},
         "startup_definition": ("seconds from launching `startup_cmd` to its start-up line (printed after the data "
@@ -562,6 +585,9 @@ def main():
         print(f"recipe/{other}: {report[f'recipe_over_{key}']:.3f} ratio of medians, "
               f"{report[f'recipe_over_{key}_paired']:.3f} median of per-round ratios, "
               f"{report[f'recipe_over_{key}_best']:.3f} ratio of best repetitions")
+    for name, ratio in report["also_over_recipe"].items():
+        print(f"{name}/recipe: {ratio['ratio_of_medians']:.3f} ratio of medians, {ratio['paired']:.3f} median of "
+              f"per-round ratios")
     load = report["load_average_1min"]
     print(f"load average {load['before']} before, {load['after']} after, on {load['cpu_cores']} cores")
     if startup:
