@@ -26,6 +26,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from accelerate.utils import is_compiled_module
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -35,8 +36,12 @@ from common.config import UserError
 def save_weights(accelerator, model, path, metadata=None):
     """Write the unwrapped model's weights from the main process, atomically (temp file + rename).
     The keys are the plain model's, also when the accelerate config compiles it (dynamo_backend)."""
+    if is_compiled_module(model):
+        # Take torch.compile's wrapper off first. get_state_dict() would call unwrap_model(), which
+        # (Accelerate 1.15) re-points the wrapper at the bare model: DDP would drop out of the
+        # module tree that training goes on using, and its keys would carry `_orig_mod.`.
+        model = model._orig_mod
     state = accelerator.get_state_dict(model)  # collective under FSDP/DeepSpeed: every rank calls it
-    state = _strip_prefix(state, "_orig_mod.")  # unwrap_model keeps torch.compile's wrapper
     if accelerator.is_main_process:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")

@@ -16,11 +16,12 @@ accumulation, set_epoch and skip_first_batches, and no second sharding.
 
 Exact evaluation: `bucket_loader(..., train=False)` gives every sample to exactly one rank
 with no padding, so ranks may get different numbers of batches. The evaluation loop must then
-do no collective per batch: run the unwrapped model (`accelerator.unwrap_model(model)`; a DDP
-model may broadcast its buffers in the first forward), add up sums and counts locally, and
-reduce them once after the loop:
+do no collective per batch: run the unwrapped model (a DDP model may broadcast its buffers in
+forward; keep_torch_compile=False, or Accelerate 1.15 re-points a compiled model at the bare
+one and DDP drops out of training), add up sums and counts locally, and reduce them once after
+the loop:
 
-    net = accelerator.unwrap_model(model).eval()
+    net = accelerator.unwrap_model(model, keep_torch_compile=False).eval()
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss, correct, samples
     for x, y in test_loader:
         logits = net(x)

@@ -533,7 +533,9 @@ def evaluate(model, loader, accelerator, cfg, panels=False):
     With `panels`, also returns image | prediction | truth panels of the main process's first
     batch, for the tracker.
     """
-    net = accelerator.unwrap_model(model) if cfg.bucket_by_size else model  # unwrap keeps autocast
+    # keep_torch_compile=False: the default re-points a compiled model at the bare one, taking
+    # DDP out of the model that training goes on using (Accelerate 1.15). Autocast stays.
+    net = accelerator.unwrap_model(model, keep_torch_compile=False) if cfg.bucket_by_size else model
     net.eval()
     if cfg.bucket_by_size:  # as DDP's forward would: every rank uses rank 0's BatchNorm statistics
         broadcast(list(net.buffers()))

@@ -86,7 +86,7 @@ report["resumed_epoch2"] = ids_of(accelerator.skip_first_batches(train_loader, R
 
 # Exact evaluation: ranks may hold different numbers of batches, so no collective inside the
 # loop (the unwrapped model), one reduce after it.
-net = accelerator.unwrap_model(model).eval()
+net = accelerator.unwrap_model(model, keep_torch_compile=False).eval()
 totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
 eval_batches = []
 with torch.inference_mode():

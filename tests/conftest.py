@@ -1,6 +1,7 @@
 """Shared test fixtures: tiny real-digit datasets on disk, and a launcher that runs the
 recipes exactly as users do (python, accelerate launch, torchrun) in a subprocess."""
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +54,13 @@ def launch(script_args, nproc=1, launcher="accelerate", config=None, env=None, t
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # torch elastic starts each worker in a session of its own: kill them by name too, or a
+        # hung worker keeps the output pipe open and communicate() never returns.
+        workers = psutil.Process(proc.pid).children(recursive=True)
         os.killpg(proc.pid, signal.SIGKILL)
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
         out, _ = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-4000:]}")
     return Result(proc, out)

@@ -58,22 +58,23 @@ def test_two_process_resume_is_exact_too(tiny_mnist, tmp_path):
     assert (split / "checkpoints" / "step-00000003" / "random_states_1.pkl").is_file()
 
 
-def test_compiled_model_resumes_exactly_and_saves_plain_weights(tiny_mnist, tmp_path):
-    # torch.compile as users turn it on: dynamo_backend in the accelerate config.
+def test_compiled_ddp_model_resumes_exactly_and_saves_plain_weights(tiny_mnist, tmp_path):
+    # torch.compile as users turn it on: dynamo_backend in the accelerate config; 2 processes, so
+    # Accelerate compiles the DDP-wrapped model.
     config = tmp_path / "compile.yaml"
-    config.write_text((REPO / "accelerate_configs" / "cpu.yaml").read_text()
+    config.write_text((REPO / "accelerate_configs" / "2gpu.yaml").read_text()
                       + "dynamo_config:\n  dynamo_backend: INDUCTOR\n")
 
     def run(out, *args):
-        res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, *COMMON, *args], config=config)
+        res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, *COMMON, *args], nproc=2, config=config)
         assert_ok(res)
         assert "torch.compile backend inductor" in res.output
         return res
 
     straight, split = tmp_path / "straight", tmp_path / "split"
-    run(straight, "--max_steps", 10)
-    run(split, "--max_steps", 5)
-    assert "(epoch 1, step 5)" in run(split, "--max_steps", 10, "--resume", "latest").output
+    run(straight, "--max_steps", 7)
+    run(split, "--max_steps", 3)  # mid-epoch 1 (4 steps an epoch on 2 processes)
+    assert "(epoch 1, step 3)" in run(split, "--max_steps", 7, "--resume", "latest").output
     assert_identical(weights(straight), weights(split))  # dropout included: its RNG state resumes too
     # model.safetensors has the plain model's keys, not torch.compile's `_orig_mod.` ones.
     assert "conv1.weight" in weights(straight) and not any(k.startswith("_orig_mod.") for k in weights(straight))

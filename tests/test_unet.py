@@ -288,6 +288,18 @@ def mixed_shapes(tmp_path_factory):
     return root
 
 
+def test_bucketed_eval_and_saving_leave_a_compiled_ddp_model_whole(mixed_shapes, tmp_path):
+    config = tmp_path / "compile.yaml"
+    config.write_text((REPO / "accelerate_configs" / "2gpu.yaml").read_text()
+                      + "dynamo_config:\n  dynamo_backend: INDUCTOR\n")
+    res = launch(["tests/compile_probe.py", mixed_shapes, tmp_path, VAL_FRACTION], nproc=2, config=config,
+                 env=ONE_THREAD)
+    assert_ok(res)
+    assert res.output.count("compiled DDP model whole") == 2, res
+    # Both ranks report the reduced count: every validation image exactly once.
+    assert re.findall(r"whole; (\d+) images evaluated", res.output) == [str(N_MIXED_VAL)] * 2, res
+
+
 def test_without_bucket_by_size_mixed_sizes_say_what_to_set(mixed_shapes, tmp_path):
     res = launch([RECIPE, "--dataset", mixed_shapes, "--output_dir", tmp_path, *FAST], launcher="python")
     assert res.returncode == 2 and "images have different sizes" in res.output, res

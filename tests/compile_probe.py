@@ -1,0 +1,59 @@
+"""Launched by test_unet.py with 2 processes and `dynamo_backend: INDUCTOR` in the accelerate
+config: after a bucketed evaluation and save_weights(), is the compiled DDP model still whole?
+
+Accelerate 1.15's unwrap_model(model) (also inside get_state_dict) re-points torch.compile's
+wrapper at the bare model, so DDP drops out of the module tree that training goes on using:
+train()/eval() and no_sync() no longer reach it. The recipes unwrap without that side effect.
+
+    accelerate launch --config_file COMPILE.yaml tests/compile_probe.py SHAPES_DIR OUT_DIR VAL_FRACTION
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+from accelerate.utils import is_compiled_module
+from safetensors import safe_open
+from torch.nn.parallel import DistributedDataParallel
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.checkpoint import save_weights  # noqa: E402
+from common.runtime import build_accelerator, close  # noqa: E402
+
+spec = importlib.util.spec_from_file_location("unet_recipe", REPO / "recipes" / "unet.py")
+unet = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(unet)
+
+shapes, out, val_fraction = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
+cfg = unet.Config(dataset=shapes, output_dir=str(out), val_fraction=val_fraction, bucket_by_size=True,
+                  base_channels=4, num_workers=0)
+accelerator = build_accelerator()
+train_source, val_source = unet.open_sources(cfg)
+found, sizes = unet.scan_masks(accelerator, [train_source, val_source])
+values, _ = unet.mask_values_and_size(cfg, found, sizes, None)
+_, val_loader, _ = unet.make_bucket_loaders(cfg, accelerator, train_source, val_source, values, sizes)
+model = unet.UNet(cfg.num_classes, cfg.base_channels, cfg.bilinear)
+optimizer = torch.optim.AdamW(model.parameters())
+model, optimizer = accelerator.prepare(model, optimizer)
+
+
+def whole(when):
+    assert is_compiled_module(model) and isinstance(model._orig_mod, DistributedDataParallel), (
+        f"{when}: the compiled model wraps {type(model._orig_mod).__name__}, not DDP")
+
+
+whole("after prepare")
+result, _ = unet.evaluate(model, val_loader, accelerator, cfg)  # bucketed: the bare model, no compiling
+whole("after evaluate")
+save_weights(accelerator, model, out / "model.safetensors")
+whole("after save_weights")
+if accelerator.is_main_process:
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert not any(k.startswith("_orig_mod.") for k in f.keys()), list(f.keys())[:3]
+print(f"rank {accelerator.process_index}: compiled DDP model whole; {result['eval_samples']} images evaluated",
+      flush=True)
+del model, optimizer, val_loader
+close(accelerator)
