@@ -4,6 +4,7 @@
     python scripts/stress_exit.py --runs 20 --launcher torchrun
     python scripts/stress_exit.py --runs 20 --recipe recipes/unet.py --dataset data/shapes
     python scripts/stress_exit.py --runs 5 --recipe recipes/unet.py --dataset data/shapes -- --base_channels 8
+    python scripts/stress_exit.py --runs 20 --config_file my_compile.yaml   # your own 2-process config
 
 A clean exit is status 0 with no "terminate called" abort at interpreter shutdown: gloo's
 threads dying because the DDP model or a prepared loader outlived the process group.
@@ -33,6 +34,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--launcher", choices=["accelerate", "torchrun"], default="accelerate")
+    p.add_argument("--config_file", default="accelerate_configs/2gpu.yaml", help="accelerate launch's config")
     p.add_argument("--recipe", default="recipes/mnist.py")
     p.add_argument("--dataset", default="data/mnist_sample")
     p.add_argument("--num_workers", type=int, default=0)
@@ -42,7 +44,7 @@ def main():
     clean = 0
     for i in range(1, args.runs + 1):
         if args.launcher == "accelerate":
-            cmd = [BIN / "accelerate", "launch", "--config_file", "accelerate_configs/2gpu.yaml",
+            cmd = [BIN / "accelerate", "launch", "--config_file", args.config_file, "--num_processes", "2",
                    "--main_process_port", str(free_port())]
         else:
             cmd = [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())]
@@ -59,7 +61,8 @@ def main():
               flush=True)
         if not ok:
             print(out[-3000:])
-    print(f"{clean}/{args.runs} clean exits ({args.launcher}, {args.recipe}, num_workers {args.num_workers})")
+    launcher = f"accelerate launch --config_file {args.config_file}" if args.launcher == "accelerate" else "torchrun"
+    print(f"{clean}/{args.runs} clean exits ({launcher}, {args.recipe}, num_workers {args.num_workers})")
     sys.exit(0 if clean == args.runs else 1)
 
 
