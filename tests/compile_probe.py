@@ -8,24 +8,19 @@ train()/eval() and no_sync() no longer reach it. The recipes unwrap without that
     accelerate launch --config_file COMPILE.yaml tests/compile_probe.py SHAPES_DIR OUT_DIR VAL_FRACTION
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import torch
 from accelerate.utils import is_compiled_module
+from recipe_module import load_recipe  # first: it puts the repository on sys.path
 from safetensors import safe_open
 from torch.nn.parallel import DistributedDataParallel
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common.checkpoint import save_weights
+from common.runtime import build_accelerator, close
 
-from common.checkpoint import save_weights  # noqa: E402
-from common.runtime import build_accelerator, close  # noqa: E402
-
-spec = importlib.util.spec_from_file_location("unet_recipe", REPO / "recipes" / "unet.py")
-unet = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(unet)
+unet = load_recipe("unet")
 
 shapes, out, val_fraction = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
 cfg = unet.Config(dataset=shapes, output_dir=str(out), val_fraction=val_fraction, bucket_by_size=True,
@@ -40,16 +35,16 @@ optimizer = torch.optim.AdamW(model.parameters())
 model, optimizer = accelerator.prepare(model, optimizer)
 
 
-def whole(when):
+def whole(model, when):
     assert is_compiled_module(model) and isinstance(model._orig_mod, DistributedDataParallel), (
         f"{when}: the compiled model wraps {type(model._orig_mod).__name__}, not DDP")
 
 
-whole("after prepare")
+whole(model, "after prepare")
 result, _ = unet.evaluate(model, val_loader, accelerator, cfg)  # bucketed: the bare model, no compiling
-whole("after evaluate")
+whole(model, "after evaluate")
 save_weights(accelerator, model, out / "model.safetensors")
-whole("after save_weights")
+whole(model, "after save_weights")
 if accelerator.is_main_process:
     with safe_open(out / "model.safetensors", "pt") as f:
         assert not any(k.startswith("_orig_mod.") for k in f.keys()), list(f.keys())[:3]

@@ -4,21 +4,16 @@ It builds the loaders with the recipe's own make_loaders() and build_accelerator
 them as the recipe does, and writes the sample ids (encoded in two pixels) seen per epoch.
 """
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from recipe_module import load_recipe  # first: it puts the repository on sys.path
 
-from common.config import parse_config  # noqa: E402
-from common.runtime import build_accelerator, close  # noqa: E402
+from common.config import parse_config
+from common.runtime import build_accelerator, close
 
-spec = importlib.util.spec_from_file_location("mnist_recipe", REPO / "recipes" / "mnist.py")
-mnist = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mnist)
+mnist = load_recipe("mnist")
 
 cfg = parse_config(mnist.Config)
 accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed)

@@ -9,24 +9,12 @@ own, prepared as their main() prepares them.
 """
 
 import dataclasses
-import importlib.util
 import sys
-from pathlib import Path
 
 import torch
+from recipe_module import load_recipe  # first: it puts the repository on sys.path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from common.runtime import build_accelerator, close  # noqa: E402
-
-
-def load_recipe(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_recipe", REPO / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from common.runtime import build_accelerator, close
 
 mnist_dir, shapes_dir = sys.argv[1:3]
 mnist, unet = load_recipe("mnist"), load_recipe("unet")

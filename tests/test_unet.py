@@ -1,6 +1,5 @@
 """The U-Net recipe, launched as users launch it, on a tiny shapes dataset made by scripts/make_shapes.py."""
 
-import importlib.util
 import math
 import re
 import shutil
@@ -17,6 +16,7 @@ from safetensors import safe_open
 from common.config import ConfigError, parse_config
 from common.data import DataError
 from conftest import REPO, assert_ok, launch, read_metrics
+from recipe_module import load_recipe
 
 RECIPE = "recipes/unet.py"
 N_IMAGES, SIZE, VAL_FRACTION = 73, 48, 0.2
@@ -135,10 +135,7 @@ def test_predict_writes_masks_at_the_original_size_in_mask_values(trained, shape
 @pytest.fixture(scope="module")
 def unet():
     """The recipe as a module, for its Config and data functions."""
-    spec = importlib.util.spec_from_file_location("unet_recipe", REPO / RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_recipe("unet")
 
 
 def copy_with_a_bad_mask(shapes, unet, root, change):
