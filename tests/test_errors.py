@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SAMPLE, _write_split, assert_ok, launch
+from conftest import _write_split, assert_ok, launch
 
 RECIPE = "recipes/mnist.py"
 

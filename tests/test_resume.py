@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 import torch
 from safetensors.torch import load_file
 
