@@ -117,6 +117,17 @@ def bound_step(accelerator, model, optimizer, x, y):
     optimizer.zero_grad()
 
 
+def bound_rep(model, batches, train_step):
+    """A repetition of the bound: train_step(x, y) on each of `batches`, already on the device."""
+    def rep():
+        model.train()
+        for x, y in batches:
+            train_step(x, y)
+        return sum(len(y) for _, y in batches)
+
+    return rep
+
+
 def recipe_rep(accelerator, loader, progress, epoch_steps, sizes, train_epoch):
     """A repetition of the recipe variant, run as main() runs an epoch: set_epoch (and the
     U-Net's augmentation epoch), then the last len(sizes) batches of the epoch, reached through
@@ -208,14 +219,7 @@ def bench_mnist(args, accelerator):
             idx = order[start:start + n]
             start += n
             batches.append((mnist.normalize(images[idx]).to(device), labels[idx].to(device)))
-
-        def rep():
-            model.train()
-            for x, y in batches:
-                bound_step(accelerator, model, optimizer, x, y)
-            return sum(sizes)
-
-        return rep
+        return bound_rep(model, batches, lambda x, y: bound_step(accelerator, model, optimizer, x, y))
 
     def setup_classic(workers):
         def setup():
@@ -338,14 +342,7 @@ def bench_unet(args, accelerator):
             start += n
             x, y = (torch.stack(t) for t in zip(*pairs))
             batches.append((unet.prepare_input(x.to(device), cfg), y.to(device)))
-
-        def rep():
-            model.train()
-            for x, y in batches:
-                step(model, optimizer, x, y)
-            return sum(sizes)
-
-        return rep
+        return bound_rep(model, batches, lambda x, y: step(model, optimizer, x, y))
 
     def setup_classic(workers):
         def setup():
