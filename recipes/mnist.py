@@ -145,7 +145,8 @@ def make_loaders(cfg, device="cpu"):
     on_gpu = torch.device(device).type == "cuda"
     if on_gpu and cfg.data_on_device and cfg.num_workers:
         raise UserError("DataLoader workers cannot read data kept on the GPU: set num_workers 0 or data_on_device false")
-    pin, device = on_gpu and not cfg.data_on_device, device if cfg.data_on_device else "cpu"
+    pin = on_gpu and not cfg.data_on_device  # host tensors, copied to the GPU per batch
+    device = device if cfg.data_on_device else "cpu"
     splits = load_splits(cfg.dataset, [cfg.train_split, cfg.test_split], [cfg.image_column, cfg.label_column])
     train_set = to_tensors(splits[cfg.train_split], cfg, cfg.train_split, device)
     test_set = to_tensors(splits[cfg.test_split], cfg, cfg.test_split, device)

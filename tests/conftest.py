@@ -54,8 +54,8 @@ def launch(script_args, nproc=1, launcher="accelerate", config=None, env=None, t
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # torch elastic starts each worker in a session of its own: kill them by name too, or a
-        # hung worker keeps the output pipe open and communicate() never returns.
+        # torch elastic starts each worker in a session of its own, out of killpg's reach: kill them
+        # one by one too, or a hung worker keeps the output pipe open and communicate() never returns.
         workers = psutil.Process(proc.pid).children(recursive=True)
         os.killpg(proc.pid, signal.SIGKILL)
         for worker in workers:
@@ -64,6 +64,13 @@ def launch(script_args, nproc=1, launcher="accelerate", config=None, env=None, t
         out, _ = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-4000:]}")
     return Result(proc, out)
+
+
+def compile_config(tmp_path, base="2gpu.yaml"):
+    """A copy of accelerate_configs/<base> that turns torch.compile on, as a user would."""
+    path = Path(tmp_path) / f"compile-{base}"
+    path.write_text((REPO / "accelerate_configs" / base).read_text() + "dynamo_config:\n  dynamo_backend: INDUCTOR\n")
+    return path
 
 
 def assert_ok(res):

@@ -11,7 +11,7 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, REPO, N_TEST, assert_ok, free_port, launch, read_metrics
+from conftest import BIN, REPO, N_TEST, assert_ok, compile_config, free_port, launch, read_metrics
 
 RECIPE = "recipes/mnist.py"
 # 256 train samples, batch 32: 8 optimizer steps per epoch on 1 process, 4 on 2.
@@ -60,9 +60,7 @@ def test_two_process_resume_is_exact_too(tiny_mnist, tmp_path):
 def test_compiled_ddp_model_resumes_exactly_and_saves_plain_weights(tiny_mnist, tmp_path):
     # torch.compile as users turn it on: dynamo_backend in the accelerate config; 2 processes, so
     # Accelerate compiles the DDP-wrapped model.
-    config = tmp_path / "compile.yaml"
-    config.write_text((REPO / "accelerate_configs" / "2gpu.yaml").read_text()
-                      + "dynamo_config:\n  dynamo_backend: INDUCTOR\n")
+    config = compile_config(tmp_path)
 
     def run(out, *args):
         res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, *COMMON, *args], nproc=2, config=config)

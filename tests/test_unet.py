@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from common.config import ConfigError, parse_config
 from common.data import DataError
-from conftest import REPO, assert_ok, launch, read_metrics
+from conftest import REPO, assert_ok, compile_config, launch, read_metrics
 from recipe_module import load_recipe
 
 RECIPE = "recipes/unet.py"
@@ -286,11 +286,8 @@ def mixed_shapes(tmp_path_factory):
 
 
 def test_bucketed_eval_and_saving_leave_a_compiled_ddp_model_whole(mixed_shapes, tmp_path):
-    config = tmp_path / "compile.yaml"
-    config.write_text((REPO / "accelerate_configs" / "2gpu.yaml").read_text()
-                      + "dynamo_config:\n  dynamo_backend: INDUCTOR\n")
-    res = launch(["tests/compile_probe.py", mixed_shapes, tmp_path, VAL_FRACTION], nproc=2, config=config,
-                 env=ONE_THREAD)
+    res = launch(["tests/compile_probe.py", mixed_shapes, tmp_path, VAL_FRACTION], nproc=2,
+                 config=compile_config(tmp_path), env=ONE_THREAD)
     assert_ok(res)
     assert res.output.count("compiled DDP model whole") == 2, res
     # Both ranks report the reduced count: every validation image exactly once.
