@@ -7,8 +7,8 @@
     python scripts/bench.py --recipe unet --also channels_last compile   # and the recipe with these
     accelerate launch --config_file accelerate_configs/bf16.yaml --num_processes 1 scripts/bench.py
 
-One process trains the same model (the recipe's own class, optimizer, batch size and the
-precision of the accelerate config) in three ways:
+One process trains the same model (the recipe's own class, optimizer settings, batch size and
+the precision of the accelerate config) in three ways:
 
 - recipe:  the recipe as users run it: its make_loaders(), prepared by the Accelerator that
            common.runtime.build_accelerator() builds, and its own train_one_epoch().
@@ -20,6 +20,8 @@ precision of the accelerate config) in three ways:
            batch; 0 and 1 workers. U-Net (milesial/Pytorch-UNet): a Dataset that opens the image
            and mask files with PIL per sample and converts them with numpy, a DataLoader with
            pin_memory, `.to(device, dtype)` per batch; 0 workers and the recipe's num_workers.
+           Its AdamW uses the foreach kernels, as milesial's optimizer does; the recipe's and the
+           bound's use the fused ones (recipes/unet.py make_optimizer).
 
 A repetition is `--steps` optimizer steps (default: one full epoch of the train split, so the
 recipe runs exactly as in training: no max_steps, hence no checkpoint inside the timed part).
@@ -303,12 +305,15 @@ def bench_unet(args, accelerator):
     epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset)
     steps = len(sizes)
 
-    def new_model(cfg=cfg):
+    def new_model(cfg=cfg, tutorial=False):
         set_seed(cfg.seed)  # the same initial weights in every variant
         model = unet.UNet(cfg.num_classes, cfg.base_channels, cfg.bilinear)
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        if tutorial:  # the recipe's AdamW settings, with the foreach kernels that milesial asks for
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+        else:
+            optimizer = unet.make_optimizer(model, cfg.lr, cfg, accelerator)
         return model, optimizer
 
     def step(model, optimizer, x, y):
@@ -346,7 +351,7 @@ def bench_unet(args, accelerator):
 
     def setup_classic(workers):
         def setup():
-            model, optimizer = new_model()
+            model, optimizer = new_model(tutorial=True)
             model, optimizer = accelerator.prepare(model, optimizer)
             dataset = ClassicSegmentation(train_source, values)
             # The tutorial pins memory; only a GPU has pinned memory (on a CPU, torch warns and ignores it).
@@ -364,7 +369,8 @@ def bench_unet(args, accelerator):
         "steps_per_rep": steps,
         "samples_per_rep": sum(sizes),
         "model": f"UNet(base_channels={cfg.base_channels})",
-        "optimizer": f"AdamW(lr={cfg.lr}, weight_decay={cfg.weight_decay}), gradient norm clipped to {cfg.grad_clip}",
+        "optimizer": f"AdamW(lr={cfg.lr}, weight_decay={cfg.weight_decay}), gradient norm clipped to {cfg.grad_clip}; "
+                     f"recipe and bound: make_optimizer (fused kernels, except under fp16); classic: foreach kernels",
         "recipe_loop": f"recipes/unet.py make_loaders + train_one_epoch (num_workers {cfg.num_workers})",
         "startup_cmd": [sys.executable, "recipes/unet.py", "--dataset", cfg.dataset, "--smoke",
                         "--smoke_steps", "1"],

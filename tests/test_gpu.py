@@ -5,16 +5,32 @@ import sys
 
 import pytest
 import torch
+import yaml
 
 from conftest import REPO, assert_ok, launch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_fetching_a_training_batch_never_waits_for_the_gpu(tiny_mnist, tmp_path):
-    shapes = tmp_path / "shapes"
-    subprocess.run([sys.executable, REPO / "scripts" / "make_shapes.py", "--out", shapes, "--count", "24",
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shapes")
+    subprocess.run([sys.executable, REPO / "scripts" / "make_shapes.py", "--out", root, "--count", "24",
                     "--size", "48"], check=True, capture_output=True)
+    return root
+
+
+def test_fetching_a_training_batch_never_waits_for_the_gpu(tiny_mnist, shapes):
     res = launch(["tests/sync_probe.py", tiny_mnist, shapes], launcher="python")
     assert_ok(res)
     assert res.output.count("no wait for the GPU") == 4, res
+
+
+@pytest.mark.parametrize("precision, optimizer", [("no", "fused AdamW"), ("bf16", "fused AdamW"), ("fp16", "; AdamW")])
+def test_the_unet_adamw_is_fused_except_under_the_fp16_gradient_scaler(shapes, tmp_path, precision, optimizer):
+    config = yaml.safe_load((REPO / "accelerate_configs" / "1gpu.yaml").read_text())
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({**config, "mixed_precision": precision}))
+    res = launch(["recipes/unet.py", "--dataset", shapes, "--output_dir", tmp_path / "out", "--smoke",
+                  "--base_channels", 8], config=tmp_path / "config.yaml")
+    assert_ok(res)
+    assert f"{optimizer} lr" in res.output, res

@@ -71,6 +71,7 @@ def test_single_process_learns_and_writes_the_output_contract(trained, shapes):
     assert meta["mask_values"] == "0,85,170,255" and meta["input_size"] == f"{SIZE},{SIZE}"
     assert "outc.weight" in keys and not any(k.startswith("module.") for k in keys)
     assert "classes: mask values 0,85,170,255" in res.output and f"outputs in {out}/" in res.output
+    assert f"; fused AdamW lr {LR:g};" in res.output  # a CPU has the fused kernels (make_optimizer)
 
 
 def test_two_processes_exact_eval_count_and_lr_schedule(shapes, tmp_path):
