@@ -125,7 +125,7 @@ class TensorBatches(TensorDataset):
 
 def to_tensors(split, cfg, name, device):
     """A datasets.Dataset of 28x28 grey digits -> TensorBatches(uint8 [N,1,28,28], int64 [N]) on `device`."""
-    images = split[cfg.image_column]
+    images = list(split[cfg.image_column])  # decodes every image, once: the column decodes on each read
     bad = next((im for im in images if im.mode != "L" or im.size != (28, 28)), None)
     if bad is not None:
         raise DataError(
@@ -133,7 +133,7 @@ def to_tensors(split, cfg, name, device):
             f"28x28 greyscale ('L'): convert the images or change the model's first layer"
         )
     x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None]
-    y = torch.tensor(split[cfg.label_column], dtype=torch.int64)
+    y = split.select_columns([cfg.label_column]).with_format("torch")[:][cfg.label_column].long()
     if y.min() < 0 or y.max() > 9:
         raise DataError(f"{name} split has label {int(y.max() if y.max() > 9 else y.min())}; labels must be 0..9")
     return TensorBatches(x.to(device), y.to(device))
