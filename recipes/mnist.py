@@ -133,7 +133,11 @@ def to_tensors(split, cfg, name, device):
             f"28x28 greyscale ('L'): convert the images or change the model's first layer"
         )
     x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None]
-    y = split.select_columns([cfg.label_column]).with_format("torch")[:][cfg.label_column].long()
+    y = split.select_columns([cfg.label_column]).with_format("numpy")[:][cfg.label_column]
+    if y.dtype.kind not in "iu":
+        raise DataError(f"{name} split's column {cfg.label_column!r} holds {split.features[cfg.label_column]}, "
+                        f"not class indices: map the labels to integers 0..9")
+    y = torch.from_numpy(y).long()
     if y.min() < 0 or y.max() > 9:
         raise DataError(f"{name} split has label {int(y.max() if y.max() > 9 else y.min())}; labels must be 0..9")
     return TensorBatches(x.to(device), y.to(device))

@@ -45,6 +45,11 @@ def bad_datasets(tiny_mnist, tmp_path_factory):
         _write_split(root / "bad_label" / f"{split}.parquet", digits, [1, 2, 3, 4])
     ds = datasets.load_dataset(str(root / "bad_label"))["train"].cast_column("label", datasets.Value("int64"))
     ds.map(lambda r: {"label": 12}).to_parquet(str(root / "bad_label" / "train.parquet"))
+    (root / "text_label").mkdir()
+    for split in ("train", "test"):
+        ds.map(lambda r: {"label": str(r["label"])}, features=datasets.Features(
+            {"image": datasets.Image(), "label": datasets.Value("string")})).to_parquet(
+            str(root / "text_label" / f"{split}.parquet"))
     (root / "empty").mkdir()
     for split in ("train", "test"):
         _write_split(root / "empty" / f"{split}.parquet", digits[:0], [])
@@ -57,6 +62,7 @@ CASES = {
     "empty split": (["--dataset", "{bad}/empty"], "has an empty split"),
     "channels": (["--dataset", "{bad}/rgb"], "BasicNet takes 28x28 greyscale"),
     "label range": (["--dataset", "{bad}/bad_label"], "has label 12; labels must be 0..9"),
+    "label type": (["--dataset", "{bad}/text_label"], "column 'label' holds Value('string'), not class indices"),
     "smaller than a global batch": (["--batch_size", "1000"], "fewer than one global batch (1000 x 1 processes)"),
     "resume path": (["--resume", "/no/such/checkpoint"], "resume checkpoint /no/such/checkpoint not found"),
 }
