@@ -47,7 +47,7 @@ stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean e
 
 # MNIST, then the U-Net: about 2 + 5 minutes on 2 CPU cores. Unlike demo-unet, the U-Net keeps
 # torch's threads (one per core): with its default 64 base channels, a training step on 2 cores
-# takes 0.7 s with 2 threads and 1.35 s with 1.
+# takes 0.7 s with 2 threads and 1.2 s with 1.
 .PHONY: bench
 bench: $(BIN)/.installed data/shapes  ## MNIST and U-Net: recipe loop vs compute bound vs classic loop, start-up (runs/bench/)
 	$(BIN)/python scripts/bench.py --recipe mnist
