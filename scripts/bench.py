@@ -44,7 +44,6 @@ add it to RECIPES with its defaults.
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import platform
@@ -58,7 +57,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -70,14 +69,7 @@ from torchvision import transforms  # noqa: E402
 
 from common.metrics import peak_memory_mb  # noqa: E402
 from common.runtime import build_accelerator, close  # noqa: E402
-
-
-def load_recipe(name):
-    """Import recipes/<name>.py as a module, as tests/shard_probe.py does."""
-    spec = importlib.util.spec_from_file_location(f"{name}_recipe", REPO / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from recipe_module import load_recipe  # noqa: E402  (tests/recipe_module.py)
 
 
 def rate(samples_per_s):
