@@ -3,7 +3,7 @@
 Training state (for resuming):
 
     save_checkpoint(accelerator, out / "checkpoints", step, {"epoch": 2, "batches_done": 17, ...}, keep=3)
-    path = find_checkpoint("latest", out / "checkpoints")
+    path = choose_checkpoint("latest", out / "checkpoints")    # None: start afresh
     trainer_state = load_checkpoint(accelerator, path, recipe="mnist")
 
 A checkpoint is a folder `step-00000123/` holding Accelerate's save_state (model, optimizer,
@@ -114,19 +114,38 @@ def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
+        old = root / f".old-{final.name}"
+        if final.exists():  # the same step again (an epoch end that is also a periodic checkpoint)
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)  # set aside, not deleted, until the new one is in place
         os.replace(tmp, final)  # atomic: readers see the old checkpoints or the complete new one
+        shutil.rmtree(old, ignore_errors=True)
         for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
 
 
-def find_checkpoint(resume, root):
-    """`resume` is "latest" (the newest checkpoint under root, or None) or a checkpoint folder."""
+def choose_checkpoint(resume, root, eval_only=False, restarted=False):
+    """The checkpoint to continue from, or None to start afresh.
+
+    resume: None, "latest" (the newest under root, if any) or a checkpoint folder.
+    restarted: torchrun restarted the workers after a failure. They continue from the newest
+    checkpoint under root, where this run had got to, even if --resume named an older one.
+    """
+    root = Path(root)
+    found = list_checkpoints(root)
+    if restarted and found:
+        return found[-1]
+    if resume is None:
+        if found and not eval_only:
+            raise UserError(f"{root.parent} holds checkpoints of an earlier run: add --resume latest, "
+                            f"or pick another --output_dir")
+        return None
     if resume == "latest":
-        found = list_checkpoints(root)
+        if not found and eval_only:
+            raise UserError(f"eval_only found no checkpoint in {root} to evaluate: "
+                            f"pass --resume with a checkpoint folder, or --weights FILE")
         return found[-1] if found else None
     path = Path(resume)
     if not path.is_dir():
@@ -134,8 +153,14 @@ def find_checkpoint(resume, root):
     return path
 
 
-def load_checkpoint(accelerator, path, recipe):
-    """Restore what save_checkpoint wrote into the prepared objects; return trainer_state."""
+def load_checkpoint(accelerator, path, recipe, data_order=None):
+    """Restore what save_checkpoint wrote into the prepared objects; return trainer_state.
+
+    data_order: {setting: value} of the settings that decide which batches each rank gets,
+    such as batch_size and seed, as the recipe stored them in trainer_state. A checkpoint
+    written mid-epoch resumes only with the same values and process count: with others, the
+    batches skipped at resume would not be the ones already trained on.
+    """
     path = Path(path)
     state_file = path / "trainer_state.json"
     if not state_file.is_file():
@@ -146,11 +171,18 @@ def load_checkpoint(accelerator, path, recipe):
         raise UserError(f"{state_file} is corrupt: resume from an earlier checkpoint") from None
     if state.get("recipe") != recipe:
         raise UserError(f"checkpoint {path} was written by the {state.get('recipe')} recipe, not {recipe}")
-    if state.get("batches_done") and state.get("world_size") != accelerator.num_processes:
-        raise UserError(
-            f"checkpoint {path} was written mid-epoch by {state.get('world_size')} processes: resume it with "
-            f"{state.get('world_size')} processes, or from a checkpoint written at the end of an epoch"
-        )
+    if state.get("batches_done"):
+        if state.get("world_size") != accelerator.num_processes:
+            raise UserError(
+                f"checkpoint {path} was written mid-epoch by {state.get('world_size')} processes: resume it with "
+                f"{state.get('world_size')} processes, or from a checkpoint written at the end of an epoch"
+            )
+        for name, value in (data_order or {}).items():
+            if name in state and state[name] != value:
+                raise UserError(
+                    f"checkpoint {path} was written mid-epoch with {name} {state[name]}, not {value}: resume it "
+                    f"with --{name} {state[name]}, or from a checkpoint written at the end of an epoch"
+                )
     try:
         accelerator.load_state(path)  # tensors via safetensors / torch.load(weights_only=True)
     except (RuntimeError, OSError, ValueError, KeyError, SafetensorError, EOFError, pickle.UnpicklingError) as e:

@@ -9,6 +9,7 @@ decides. Settings are the Config fields below: `--config run.yaml` and `--field 
 Copy this file to start your own recipe; the `# ADAPT:` comments mark what to change.
 """
 
+import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
-from common.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint, load_weights, save_checkpoint, save_weights
+from common.checkpoint import choose_checkpoint, load_checkpoint, load_weights, save_checkpoint, save_weights
 from common.config import UserError, require, save_config
 from common.determinism import set_deterministic
 from common.data import DataError, load_splits
@@ -84,6 +85,11 @@ class Config:
         require(self.keep_checkpoints >= 1, f"keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
         require(not (self.weights and self.resume), "weights and resume both load a model: pass one of them")
         require(not self.eval_only or self.weights or self.resume, "eval_only needs --weights FILE or --resume CHECKPOINT")
+
+    def limits(self):
+        """(epochs, optimizer steps) the run trains for, counted from its start, also when resumed;
+        smoke: smoke_steps steps of one epoch."""
+        return (1, self.smoke_steps) if self.smoke else (self.epochs, self.max_steps or math.inf)
 
 
 # ADAPT: your model. This is the BasicNet of the PyTorch examples, so results compare.
@@ -169,9 +175,15 @@ def normalize(x):
     return (x.float() / 255 - MEAN) / STD
 
 
+# The settings that decide which batches each process trains on, and in which order: a checkpoint
+# written mid-epoch resumes only with the same values (and the same number of processes).
+DATA_ORDER = ("seed", "batch_size", "gradient_accumulation_steps")
+
+
 def save(accelerator, cfg, progress, scheduler):
     """A checkpoint: Accelerate's state plus where we are in the data and the LR schedule."""
-    state = {"recipe": "mnist", "world_size": accelerator.num_processes, **progress, "scheduler": scheduler.state_dict()}
+    state = {"recipe": "mnist", "world_size": accelerator.num_processes, **{k: getattr(cfg, k) for k in DATA_ORDER},
+             **progress, "scheduler": scheduler.state_dict()}
     return save_checkpoint(accelerator, Path(cfg.output_dir) / "checkpoints", progress["step"], state,
                            cfg.keep_checkpoints)
 
@@ -187,7 +199,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
     losses, skipped, stop = TrainLoss(accelerator.device, progress["step"]), 0, False
     speed, window_speed = Throughput(), Throughput()
     checkpoints = Path(cfg.output_dir) / "checkpoints"
-    max_steps = cfg.smoke_steps if cfg.smoke else cfg.max_steps
+    _, max_steps = cfg.limits()
     for x, y in tqdm(loader, f"epoch {progress['epoch']}", disable=not accelerator.is_main_process, leave=False):
         with accelerator.accumulate(model):
             loss = F.cross_entropy(model(normalize(x)), y)
@@ -207,7 +219,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
                              "train/samples_per_s": window_speed.compute(accelerator)},
                             step=progress["step"])
             window_speed = Throughput()
-        stop = stop_requested(accelerator, progress["step"]) or progress["step"] == max_steps
+        stop = stop_requested(accelerator, progress["step"]) or progress["step"] >= max_steps
         checkpoint = cfg.checkpoint_every_steps and progress["step"] % cfg.checkpoint_every_steps == 0
         if stop or checkpoint or progress["step"] % 10 == 0:
             losses.check(accelerator, progress["step"], checkpoints)  # a nan loss never reaches a checkpoint
@@ -251,9 +263,7 @@ def main(cfg):
                                     log_with=tracker(cfg.log_with), project_dir=out)
     set_seed(cfg.seed)
     set_deterministic(cfg.deterministic)
-    resume = "latest" if elastic_restart() and not cfg.resume else cfg.resume
-    if not resume and not cfg.eval_only and list_checkpoints(out / "checkpoints"):
-        raise UserError(f"{out} holds checkpoints of an earlier run: add --resume latest, or pick another --output_dir")
+    checkpoint = choose_checkpoint(cfg.resume, out / "checkpoints", cfg.eval_only, restarted=elastic_restart())
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
     accelerator.init_trackers("mnist", config=asdict(cfg))  # TensorBoard or wandb, if log_with says so
@@ -285,17 +295,16 @@ def main(cfg):
 
     # 4. Resume: weights, optimizer, RNG of every rank, LR schedule, and the position in the data.
     progress = {"epoch": 1, "batches_done": 0, "step": 0, "best_accuracy": -1.0}
-    checkpoint = find_checkpoint(resume, out / "checkpoints") if resume else None
     if checkpoint:
-        state = load_checkpoint(accelerator, checkpoint, recipe="mnist")
+        state = load_checkpoint(accelerator, checkpoint, "mnist", {k: getattr(cfg, k) for k in DATA_ORDER})
         scheduler.load_state_dict(state["scheduler"])
         progress = {k: state[k] for k in progress}
         accelerator.print(f"resumed from {checkpoint} (epoch {progress['epoch']}, step {progress['step']})")
 
     # 5. Train, evaluating after every epoch.
-    epochs = 1 if cfg.smoke else cfg.epochs
+    epochs, max_steps = cfg.limits()
     result, interrupted = None, False
-    while not cfg.eval_only and progress["epoch"] <= epochs:
+    while not cfg.eval_only and progress["epoch"] <= epochs and progress["step"] < max_steps:
         epoch = progress["epoch"]
         train_loader.set_epoch(epoch)  # a new order every epoch, the same on every rank
         loader = train_loader
@@ -307,7 +316,7 @@ def main(cfg):
         if interrupted:
             break
         result = evaluate(model, test_loader, accelerator)
-        if not stop:  # the epoch is complete
+        if progress["batches_done"] == len(train_loader):  # the epoch is complete (max_steps may end it too)
             scheduler.step()
             progress.update(epoch=epoch + 1, batches_done=0)
             if result["accuracy"] > progress["best_accuracy"]:
@@ -321,8 +330,6 @@ def main(cfg):
             f"epoch {epoch}: train loss {train['train_loss']:.4f}, test accuracy {result['accuracy']:.4f} "
             f"({result['eval_samples']} samples), {train['train_samples_per_s']:.0f} samples/s"
         )
-        if stop:  # max_steps reached
-            break
 
     if interrupted:
         accelerator.print(f"stopped at step {progress['step']}; continue with --resume latest")

@@ -33,7 +33,7 @@ from torchvision.transforms.v2.functional import pil_to_tensor, resize
 from tqdm.auto import tqdm
 
 from common.checkpoint import (
-    find_checkpoint, list_checkpoints, load_checkpoint, load_weights, save_checkpoint, save_weights,
+    choose_checkpoint, load_checkpoint, load_weights, save_checkpoint, save_weights,
 )
 from common.config import UserError, require, save_config
 from common.determinism import set_deterministic
@@ -77,7 +77,7 @@ class Config:
     eval_batch_size: int = 16  # per process; also predict's batch
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 1e-4  # AdamW weight decay
-    scheduler: str = "cosine"  # cosine: to 0 over all optimizer steps; plateau: x0.1 after 5 evals with no better dice
+    scheduler: str = "cosine"  # cosine: to 0 at the end of the last epoch; plateau: x0.1 after 5 evals with no better dice
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
     gradient_accumulation_steps: int = 1  # optimizer step every N batches
     scale_lr: bool = False  # multiply lr by processes x accumulation steps (the linear scaling rule)
@@ -132,6 +132,11 @@ class Config:
         require(not self.eval_only or self.weights or self.resume, "eval_only needs --weights FILE or --resume CHECKPOINT")
         require(not self.predict or self.weights, "predict needs weights: add --weights PATH/model.safetensors")
         require(not (self.predict and self.eval_only), "choose one of predict and eval_only")
+
+    def limits(self):
+        """(epochs, optimizer steps) the run trains for, counted from its start, also when resumed;
+        smoke: smoke_steps steps of one epoch."""
+        return (1, self.smoke_steps) if self.smoke else (self.epochs, self.max_steps or math.inf)
 
 
 def parse_values(text, where):
@@ -454,10 +459,15 @@ def dice_counts(logits, target, num_classes):
     return (pred & true).sum((2, 3)), pred.sum((2, 3)) + true.sum((2, 3))
 
 
+# The settings that decide which batches each process trains on, and in which order: a checkpoint
+# written mid-epoch resumes only with the same values (and the same number of processes).
+DATA_ORDER = ("seed", "batch_size", "gradient_accumulation_steps", "bucket_by_size", "max_batch_pixels")
+
+
 def save(accelerator, cfg, progress, scheduler, values):
     """A checkpoint: Accelerate's state plus where we are in the data, the LR schedule, the classes."""
-    state = {"recipe": "unet", "world_size": accelerator.num_processes, **progress,
-             "scheduler": scheduler.state_dict(), "mask_values": values}
+    state = {"recipe": "unet", "world_size": accelerator.num_processes, **{k: getattr(cfg, k) for k in DATA_ORDER},
+             **progress, "scheduler": scheduler.state_dict(), "mask_values": values}
     return save_checkpoint(accelerator, Path(cfg.output_dir) / "checkpoints", progress["step"], state,
                            cfg.keep_checkpoints)
 
@@ -471,6 +481,22 @@ def make_optimizer(model, lr, cfg, accelerator):
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=fused or None)
 
 
+def fit_cosine(scheduler, cfg, progress, steps_per_epoch):
+    """Make the cosine schedule reach 0 at the last optimizer step of the last epoch. max_steps
+    does not shorten it: it only stops the run, which a resume continues on the same curve. A
+    resume may change epochs, or the process count at an epoch end; the lr then moves onto the
+    new curve at the current step. steps_per_epoch: this process's optimizer steps per epoch."""
+    epochs, _ = cfg.limits()
+    steps_left = (epochs - progress["epoch"] + 1) * steps_per_epoch - math.ceil(
+        progress["batches_done"] / cfg.gradient_accumulation_steps)  # the rest of this epoch, then the later ones
+    # The schedule counts the steps it was stepped on: fp16 steps that the scaler skipped are not among them.
+    last = scheduler.last_epoch + steps_left
+    if steps_left > 0 and last != scheduler.T_max:
+        scheduler.T_max = last
+        for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+            group["lr"] = base_lr * (1 + math.cos(math.pi * scheduler.last_epoch / last)) / 2
+
+
 def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress, values):
     """One pass over this process's shard (or what is left of it after a resume).
 
@@ -482,7 +508,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
     losses, skipped, stop = TrainLoss(accelerator.device, progress["step"]), 0, False
     speed, window_speed = Throughput(), Throughput()
     checkpoints = Path(cfg.output_dir) / "checkpoints"
-    max_steps = cfg.smoke_steps if cfg.smoke else cfg.max_steps
+    _, max_steps = cfg.limits()
     for x, y in tqdm(loader, f"epoch {progress['epoch']}", disable=not accelerator.is_main_process, leave=False):
         with accelerator.accumulate(model):
             loss = loss_per_image(model(prepare_input(x, cfg)), y, cfg.num_classes).mean()
@@ -508,7 +534,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
                              "train/samples_per_s": window_speed.compute(accelerator)},
                             step=progress["step"])
             window_speed = Throughput()
-        stop = stop_requested(accelerator, progress["step"]) or progress["step"] == max_steps
+        stop = stop_requested(accelerator, progress["step"]) or progress["step"] >= max_steps
         checkpoint = cfg.checkpoint_every_steps and progress["step"] % cfg.checkpoint_every_steps == 0
         if stop or checkpoint or progress["step"] % 10 == 0:
             losses.check(accelerator, progress["step"], checkpoints)  # a nan loss never reaches a checkpoint
@@ -647,9 +673,7 @@ def main(cfg):
         predict(cfg, accelerator)
         close(accelerator)
         return
-    resume = "latest" if elastic_restart() and not cfg.resume else cfg.resume
-    if not resume and not cfg.eval_only and list_checkpoints(out / "checkpoints"):
-        raise UserError(f"{out} holds checkpoints of an earlier run: add --resume latest, or pick another --output_dir")
+    checkpoint = choose_checkpoint(cfg.resume, out / "checkpoints", cfg.eval_only, restarted=elastic_restart())
     if accelerator.is_main_process:
         save_config(cfg, out / "config.yaml")
     metrics = MetricsLog(out / "metrics.jsonl", accelerator.is_main_process)
@@ -686,10 +710,8 @@ def main(cfg):
         model, optimizer = accelerator.prepare(model, optimizer)
     else:
         model, optimizer, train_loader, val_loader = accelerator.prepare(model, optimizer, train_loader, val_loader)
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.gradient_accumulation_steps)  # len: this process's share
-    total_steps = min(cfg.smoke_steps, steps_per_epoch) if cfg.smoke else cfg.epochs * steps_per_epoch
-    if cfg.scheduler == "cosine":
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, total_steps)
+    if cfg.scheduler == "cosine":  # its length, T_max, is set by fit_cosine() once a resume has said where we are
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1)
     else:
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5)
     if any(isinstance(m, nn.SyncBatchNorm) for m in model.modules()):
@@ -707,24 +729,25 @@ def main(cfg):
 
     # 4. Resume: weights, optimizer, RNG of every rank, LR schedule, and the position in the data.
     progress = {"epoch": 1, "batches_done": 0, "step": 0, "best_dice": -1.0}
-    checkpoint = find_checkpoint(resume, out / "checkpoints") if resume else None
     if checkpoint:
-        state = load_checkpoint(accelerator, checkpoint, recipe="unet")
+        state = load_checkpoint(accelerator, checkpoint, "unet", {k: getattr(cfg, k) for k in DATA_ORDER})
         if state["mask_values"] != values:
             raise DataError(f"checkpoint {checkpoint} maps mask values {state['mask_values']}, this data "
                             f"{values}: set --mask_values to match, or start a new run")
         scheduler.load_state_dict(state["scheduler"])
         progress = {k: state[k] for k in progress}
         accelerator.print(f"resumed from {checkpoint} (epoch {progress['epoch']}, step {progress['step']})")
+    if cfg.scheduler == "cosine":
+        fit_cosine(scheduler, cfg, progress, math.ceil(len(train_loader) / cfg.gradient_accumulation_steps))
     # What predict needs to rebuild the model and write masks travels inside the weights file.
     settings = {"recipe": "unet", "mask_values": ",".join(map(str, values)), "num_classes": cfg.num_classes,
                 "base_channels": cfg.base_channels, "bilinear": cfg.bilinear,
                 "input_size": "%d,%d" % input_size if input_size else "native"}
 
     # 5. Train, evaluating after every epoch.
-    epochs = 1 if cfg.smoke else cfg.epochs
+    epochs, max_steps = cfg.limits()
     result, interrupted = None, False
-    while not cfg.eval_only and progress["epoch"] <= epochs:
+    while not cfg.eval_only and progress["epoch"] <= epochs and progress["step"] < max_steps:
         epoch = progress["epoch"]
         train_loader.set_epoch(epoch)  # a new order every epoch, the same on every rank
         train_loader.dataset.epoch = epoch  # and new augmentations
@@ -737,7 +760,7 @@ def main(cfg):
         if interrupted:
             break
         result, panel = evaluate(model, val_loader, accelerator, cfg, panels=cfg.log_with != "none")
-        if not stop:  # the epoch is complete
+        if progress["batches_done"] == len(train_loader):  # the epoch is complete (max_steps may end it too)
             if cfg.scheduler == "plateau":
                 scheduler.step(result["dice"])
             progress.update(epoch=epoch + 1, batches_done=0)
@@ -755,8 +778,6 @@ def main(cfg):
             f"epoch {epoch}: train loss {train['train_loss']:.4f}, dice {result['dice']:.4f} "
             f"({result['eval_samples']} images), {train['train_samples_per_s']:.0f} images/s"
         )
-        if stop:  # max_steps reached
-            break
 
     if interrupted:
         accelerator.print(f"stopped at step {progress['step']}; continue with --resume latest")

@@ -8,9 +8,12 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from common.checkpoint import choose_checkpoint
+from common.config import UserError
 from conftest import BIN, REPO, N_TEST, assert_ok, compile_config, free_port, launch, read_metrics
 
 RECIPE = "recipes/mnist.py"
@@ -46,6 +49,22 @@ def test_stop_and_resume_gives_bit_identical_weights(tiny_mnist, tmp_path):
     assert "(epoch 2, step 8)" in res.output
     assert_identical(weights(straight), weights(from_epoch_end))
     assert read_metrics(split)[-1]["step"] == read_metrics(straight)[-1]["step"] == 13
+    # The same command again: max_steps is reached already, so it only evaluates.
+    before = sorted(p.name for p in (split / "checkpoints").iterdir())
+    res = train(tiny_mnist, split, "--max_steps", 13, "--resume", "latest")
+    assert "epoch 2:" not in res.output and sorted(p.name for p in (split / "checkpoints").iterdir()) == before
+    assert read_metrics(split)[-1]["epoch"] is None and read_metrics(split)[-1]["step"] == 13
+    assert_identical(weights(straight), weights(split))
+
+
+def test_max_steps_on_the_last_batch_of_an_epoch_completes_that_epoch(tiny_mnist, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(tiny_mnist, straight, "--max_steps", 13)
+    train(tiny_mnist, split, "--max_steps", 8)  # 8 steps an epoch: the end of epoch 1
+    res = train(tiny_mnist, split, "--max_steps", 13, "--resume", "latest")
+    assert "(epoch 2, step 8)" in res.output
+    assert [(r["epoch"], r["step"]) for r in read_metrics(split)] == [(1, 8), (2, 13)]
+    assert_identical(weights(straight), weights(split))
 
 
 def test_two_process_resume_is_exact_too(tiny_mnist, tmp_path):
@@ -99,6 +118,8 @@ def test_bad_resume_input_is_one_line_and_deletes_nothing(tiny_mnist, tmp_path):
         (["--resume", "latest"], f"cannot load checkpoint {ckpt}"),
         (["--resume", tmp_path / "nope"], "resume checkpoint"),
         ([], "holds checkpoints of an earlier run: add --resume latest"),
+        (["--output_dir", tmp_path / "empty", "--eval_only", "true", "--resume", "latest"],
+         f"eval_only found no checkpoint in {tmp_path / 'empty' / 'checkpoints'}"),
     ]
     for args, message in cases:
         res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON, *args], launcher="python")
@@ -106,6 +127,19 @@ def test_bad_resume_input_is_one_line_and_deletes_nothing(tiny_mnist, tmp_path):
         assert res.returncode == 2 and lines[-1].startswith("error: ") and message in lines[-1], res
         assert "Traceback" not in res.output
     assert model_file.stat().st_size == 1000 and (ckpt / "optimizer.bin").is_file()
+
+
+def test_a_restarted_worker_continues_from_the_newest_checkpoint_not_the_one_named(tmp_path):
+    # torchrun --max-restarts with --resume PATH: after a failure, the restarted workers go on
+    # from where the run had got to, not from PATH again (which keep_checkpoints may have deleted).
+    for step in (4, 8, 12):
+        (tmp_path / f"step-{step:08d}").mkdir()
+        (tmp_path / f"step-{step:08d}" / "trainer_state.json").write_text("{}")
+    named = str(tmp_path.parent / "elsewhere" / "step-00000004")
+    assert choose_checkpoint(named, tmp_path, restarted=True) == tmp_path / "step-00000012"
+    assert choose_checkpoint(None, tmp_path / "none", restarted=True) is None  # failed before any checkpoint
+    with pytest.raises(UserError, match="resume checkpoint .* not found"):
+        choose_checkpoint(named, tmp_path)
 
 
 class _Exploit:

@@ -1,5 +1,6 @@
 """The U-Net recipe, launched as users launch it, on a tiny shapes dataset made by scripts/make_shapes.py."""
 
+import json
 import math
 import re
 import shutil
@@ -87,6 +88,28 @@ def test_two_processes_exact_eval_count_and_lr_schedule(shapes, tmp_path):
     assert [r["step"] for r in rows] == [steps, 2 * steps] and rows[0]["world_size"] == 2
     # Cosine over 2 epochs: half way, half the lr. A scheduler stepped once per process would be at 0.
     assert rows[1]["lr"] == pytest.approx(LR * 0.5 * (1 + math.cos(math.pi * steps / (2 * steps))))
+
+
+def test_the_cosine_schedule_refits_when_a_resume_changes_the_process_count(shapes, tmp_path):
+    args = [RECIPE, "--dataset", shapes, "--output_dir", tmp_path, *FAST, "--base_channels", 8, "--batch_size", 8,
+            "--epochs", 2]
+    per_epoch = math.ceil(N_TRAIN / 8)  # optimizer steps per epoch on 1 process; half as many on 2
+    half = per_epoch // 2
+    assert_ok(launch([*args, "--max_steps", half], nproc=2))  # the end of epoch 1 on 2 processes
+
+    def schedule(step):
+        return json.loads((tmp_path / "checkpoints" / f"step-{step:08d}" / "trainer_state.json").read_text())["scheduler"]
+
+    # max_steps stops the run but does not shorten the schedule: half way through it, half the lr.
+    assert schedule(half)["T_max"] == 2 * half and schedule(half)["_last_lr"][0] == pytest.approx(LR / 2)
+    # Epoch 2 on 1 process: the cosine now ends half + per_epoch steps in (not 2 * half, where a
+    # schedule restored as saved would stop), and the lr moves onto that curve.
+    res = launch([*args, "--resume", "latest"], launcher="python", env=ONE_THREAD)
+    assert_ok(res)
+    assert f"(epoch 2, step {half})" in res.output
+    last = half + per_epoch
+    assert read_metrics(tmp_path)[-1]["lr"] == pytest.approx(LR * (1 + math.cos(math.pi * half / last)) / 2)
+    assert schedule(last)["T_max"] == last and schedule(last)["_last_lr"][0] == pytest.approx(0, abs=1e-12)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm runs on GPUs only")
