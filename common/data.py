@@ -62,7 +62,8 @@ def load_splits(name, splits, columns):
         if local.exists():
             raise DataError(f"could not read dataset folder {name}: {e}") from None
         raise DataError(
-            f"could not load {name!r} from the Hugging Face Hub ({type(e).__name__}; no internet?): "
+            f"could not load {name!r}: no folder of that name here, and not from the Hugging Face Hub "
+            f"({type(e).__name__}; no internet?): "
             f"point --dataset at a local folder that datasets.load_dataset reads, such as parquet files "
             f"{' and '.join(s + '*.parquet' for s in splits)} with columns {' and '.join(columns)}"
         ) from None

@@ -107,7 +107,8 @@ def tracker(log_with):
     import importlib.util
 
     if importlib.util.find_spec(TRACKERS[log_with]) is None:
-        raise UserError(f"log_with {log_with} needs the {TRACKERS[log_with]} package: pip install -r requirements-extras.txt")
+        hint = "-r requirements-extras.txt" if log_with == "tensorboard" else TRACKERS[log_with]
+        raise UserError(f"log_with {log_with} needs the {TRACKERS[log_with]} package: pip install {hint}")
     return log_with
 
 

@@ -43,7 +43,7 @@ class Config:
     label_column: str = "label"  # column holding class indices 0..9
     train_split: str = "train"
     test_split: str = "test"
-    output_dir: str = "runs/mnist"  # config.yaml, metrics.jsonl, model.safetensors, best.safetensors, checkpoints/
+    output_dir: str = f"runs/{Path(__file__).stem}"  # runs/<file name>: config.yaml, metrics.jsonl, weights, checkpoints/
     # Training. Defaults follow pytorch/examples mnist/main.py (~99% test accuracy after 14 epochs).
     epochs: int = 14
     batch_size: int = 64  # per process: the global batch is this x processes x accumulation steps
@@ -67,7 +67,7 @@ class Config:
     eval_only: bool = False  # evaluate `weights` (or the `resume` checkpoint) on the test split and stop
     weights: Optional[str] = None  # model.safetensors (or a state_dict .pt) to start from
     # Logging (metrics.jsonl is always written).
-    log_with: str = "none"  # none, tensorboard or wandb (pip install -r requirements-extras.txt)
+    log_with: str = "none"  # none, tensorboard (pip install -r requirements-extras.txt) or wandb (pip install wandb)
     log_every: int = 50  # optimizer steps between logged training scalars
     dist_timeout_s: int = 600  # a rank stuck this long in a collective stops the job
     debug: bool = False  # show full tracebacks for user errors
@@ -264,8 +264,10 @@ def main(cfg):
     set_seed(cfg.seed)
     set_deterministic(cfg.deterministic)
     checkpoint = choose_checkpoint(cfg.resume, out / "checkpoints", cfg.eval_only, restarted=elastic_restart())
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and not cfg.eval_only:  # eval_only keeps the training run's config
         save_config(cfg, out / "config.yaml")
+    if cfg.resume == "latest" and not checkpoint:
+        accelerator.print(f"resume latest: no checkpoint in {out / 'checkpoints'} yet, so training starts at step 0")
     accelerator.init_trackers("mnist", config=asdict(cfg))  # TensorBoard or wandb, if log_with says so
     metrics = MetricsLog(out / "metrics.jsonl", accelerator.is_main_process)
 

@@ -57,7 +57,7 @@ class Config:
     val_split: str = "validation"  # datasets data
     mask_values: str = ""  # mask pixel values in class order, e.g. "0,255"; empty: the sorted values found
     num_classes: int = 4  # classes with background; 1: one sigmoid output, for masks of 2 values
-    output_dir: str = "runs/unet"  # config.yaml, metrics.jsonl and model.safetensors go here
+    output_dir: str = f"runs/{Path(__file__).stem}"  # runs/<file name>: config.yaml, metrics.jsonl, weights, checkpoints/
     # Model.
     base_channels: int = 64  # width of the first level, doubled at each of the 4 levels down
     bilinear: bool = False  # upsample by bilinear interpolation (fewer weights), not transposed convolutions
@@ -90,7 +90,7 @@ class Config:
     keep_checkpoints: int = 3  # delete older ones
     resume: Optional[str] = None  # "latest" or a checkpoint folder; torchrun restarts resume from latest
     # Logging (metrics.jsonl is always written).
-    log_with: str = "none"  # none, tensorboard or wandb (pip install -r requirements-extras.txt)
+    log_with: str = "none"  # none, tensorboard (pip install -r requirements-extras.txt) or wandb (pip install wandb)
     log_every: int = 20  # optimizer steps between logged training scalars; image panels at every evaluation
     # Modes.
     smoke: bool = False  # train smoke_steps steps of one epoch, then evaluate: for tests and CI
@@ -674,8 +674,10 @@ def main(cfg):
         close(accelerator)
         return
     checkpoint = choose_checkpoint(cfg.resume, out / "checkpoints", cfg.eval_only, restarted=elastic_restart())
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and not cfg.eval_only:  # eval_only keeps the training run's config
         save_config(cfg, out / "config.yaml")
+    if cfg.resume == "latest" and not checkpoint:
+        accelerator.print(f"resume latest: no checkpoint in {out / 'checkpoints'} yet, so training starts at step 0")
     metrics = MetricsLog(out / "metrics.jsonl", accelerator.is_main_process)
     accelerator.init_trackers("unet", config=asdict(cfg))  # TensorBoard or wandb, if log_with says so
 
@@ -686,8 +688,12 @@ def main(cfg):
         raise DataError(f"{len(train_source)} training images are fewer than one global batch ({cfg.batch_size} x "
                         f"{accelerator.num_processes} processes): lower batch_size")
     found, sizes = scan_masks(accelerator, [train_source, val_source])
-    stored = weights_metadata(cfg.weights).get("mask_values") if cfg.weights else None
-    values, input_size = mask_values_and_size(cfg, found, sizes, stored)
+    stored = weights_metadata(cfg.weights) if cfg.weights else {}
+    for name in ("num_classes", "base_channels", "bilinear"):  # the model's shape: name the setting that differs
+        if name in stored and stored[name] != str(getattr(cfg, name)):
+            raise UserError(f"{cfg.weights} was trained with {name} {stored[name]}, not {getattr(cfg, name)}: "
+                            f"add --{name} {stored[name]}")
+    values, input_size = mask_values_and_size(cfg, found, sizes, stored.get("mask_values"))
     if cfg.bucket_by_size:
         train_loader, val_loader, budget = make_bucket_loaders(cfg, accelerator, train_source, val_source, values, sizes)
         shapes = f"their own sizes, in batches of at most {budget} padded pixels"

@@ -26,4 +26,4 @@ def test_a_missing_tracker_package_is_one_line(tiny_mnist, tmp_path):
                  launcher="python")
     assert res.returncode == 2
     assert res.output.strip().splitlines() == [
-        "error: log_with wandb needs the wandb package: pip install -r requirements-extras.txt"]
+        "error: log_with wandb needs the wandb package: pip install wandb"]

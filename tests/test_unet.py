@@ -237,6 +237,22 @@ def test_binary_masks_from_a_datasets_folder(shapes, tmp_path):
     assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= {0, 255}
 
 
+def test_weights_that_do_not_fit_say_why_in_one_short_line(trained, shapes, tmp_path):
+    from safetensors.torch import save_file
+
+    out, _ = trained
+    save_file({"fc.weight": torch.zeros(10, 784)}, tmp_path / "other.safetensors")  # another recipe's weights
+    for weights, message in [
+        (out / "model.safetensors", f"{out / 'model.safetensors'} was trained with base_channels 16, not 64: "
+                                    f"add --base_channels 16"),
+        (tmp_path / "other.safetensors", "118 of the model's 118 tensors are missing, such as "),
+    ]:
+        res = launch([RECIPE, "--dataset", shapes, "--output_dir", tmp_path, "--eval_only", "--weights", weights,
+                      "--val_fraction", VAL_FRACTION], launcher="python", env=ONE_THREAD)
+        lines = res.output.strip().splitlines()
+        assert res.returncode == 2 and message in lines[-1] and len(lines[-1]) < 400, res
+
+
 def test_bad_settings_are_rejected(unet):
     for args, message in [
         (["--mask_values", "0,x"], "mask_values must be distinct non-negative integers"),
