@@ -200,10 +200,15 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
     speed, window_speed = Throughput(), Throughput()
     checkpoints = Path(cfg.output_dir) / "checkpoints"
     _, max_steps = cfg.limits()
+    # Accelerate divides every loss by gradient_accumulation_steps. When that does not divide the
+    # epoch's batches, the last group is shorter: its losses weigh more, so that its step too gets
+    # the mean gradient of its batches.
+    batches, group = progress["batches_done"] + len(loader), cfg.gradient_accumulation_steps
+    short_from, short = batches - batches % group, batches % group
     for x, y in tqdm(loader, f"epoch {progress['epoch']}", disable=not accelerator.is_main_process, leave=False):
         with accelerator.accumulate(model):
             loss = F.cross_entropy(model(normalize(x)), y)
-            accelerator.backward(loss)
+            accelerator.backward(loss if progress["batches_done"] < short_from else loss * group / short)
             optimizer.step()
             optimizer.zero_grad()
         progress["batches_done"] += 1

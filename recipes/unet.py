@@ -284,7 +284,7 @@ def scan_masks(accelerator, sources):
         image, mask, name = sources[s][i]
         try:
             _, values = read_pair(image, mask, name)
-        except (DataError, OSError) as e:  # OSError: a file PIL cannot read
+        except (DataError, OSError, Image.DecompressionBombError) as e:  # OSError: a file PIL cannot read
             problems.append(str(e))
             continue
         sizes[s, i] = values.shape
@@ -509,10 +509,15 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
     speed, window_speed = Throughput(), Throughput()
     checkpoints = Path(cfg.output_dir) / "checkpoints"
     _, max_steps = cfg.limits()
+    # Accelerate divides every loss by gradient_accumulation_steps. When that does not divide the
+    # epoch's batches, the last group is shorter: its losses weigh more, so that its step too gets
+    # the mean gradient of its batches.
+    batches, group = progress["batches_done"] + len(loader), cfg.gradient_accumulation_steps
+    short_from, short = batches - batches % group, batches % group
     for x, y in tqdm(loader, f"epoch {progress['epoch']}", disable=not accelerator.is_main_process, leave=False):
         with accelerator.accumulate(model):
             loss = loss_per_image(model(prepare_input(x, cfg)), y, cfg.num_classes).mean()
-            accelerator.backward(loss)
+            accelerator.backward(loss if progress["batches_done"] < short_from else loss * group / short)
             if cfg.grad_clip and accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()

@@ -1,9 +1,11 @@
 """The MNIST recipe, launched as users launch it, on tiny real-digit data."""
 
+import contextlib
 import json
 import uuid
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -120,8 +122,9 @@ class TinyNet(nn.Module):  # the user's own model
 """
 
 
-def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
-    # What README "Make your own recipe" says: copy, swap the model at the ADAPT places, run.
+@contextlib.contextmanager
+def copy_with_tiny_model():
+    """recipes/mnist.py copied as README "Make your own recipe" says, with BasicNet swapped for TinyNet."""
     source = (REPO / RECIPE).read_text()
     assert source.count("model = BasicNet()") == 1
     source = source.replace("# ADAPT: your model.", TINY_MODEL + "# ADAPT: your model.")
@@ -129,11 +132,31 @@ def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
     copy = REPO / "recipes" / f"my_recipe_{uuid.uuid4().hex[:8]}.py"
     copy.write_text(source)
     try:
-        one = launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "one", "--smoke"], launcher="python")
-        two = launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "two", "--smoke"], nproc=2)
+        yield copy
     finally:
         copy.unlink()
+
+
+def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
+    with copy_with_tiny_model() as copy:
+        one = launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "one", "--smoke"], launcher="python")
+        two = launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "two", "--smoke"], nproc=2)
     for res, out in ((one, "one"), (two, "two")):
         assert_ok(res)
         assert read_metrics(tmp_path / out)[0]["eval_samples"] == N_TEST
         assert set(load_file(tmp_path / out / "model.safetensors")) == {"fc.weight", "fc.bias"}
+
+
+def test_a_short_last_accumulation_group_steps_with_the_mean_gradient(tiny_mnist, tmp_path):
+    # 256 samples in batches of 32, accumulated 3 at a time, are groups of 3, 3 and 2 batches:
+    # the samples of batches of 96, 96 and 64 without accumulation. With a model that has no
+    # dropout or batch norm, the two runs must train the same weights, also on the short step.
+    assert N_TRAIN == 256
+    with copy_with_tiny_model() as copy:
+        for out, batch_size, group in (("accumulated", 32, 3), ("whole", 96, 1)):
+            assert_ok(launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / out, "--epochs", 1,
+                              "--batch_size", batch_size, "--gradient_accumulation_steps", group], launcher="python"))
+    accumulated, whole = (load_file(tmp_path / out / "model.safetensors") for out in ("accumulated", "whole"))
+    assert read_metrics(tmp_path / "accumulated")[0]["step"] == read_metrics(tmp_path / "whole")[0]["step"] == 3
+    for k in whole:
+        assert torch.allclose(accumulated[k], whole[k], rtol=0, atol=1e-6), (accumulated[k] - whole[k]).abs().max()

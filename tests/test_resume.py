@@ -67,6 +67,18 @@ def test_max_steps_on_the_last_batch_of_an_epoch_completes_that_epoch(tiny_mnist
     assert_identical(weights(straight), weights(split))
 
 
+def test_resume_with_gradient_accumulation_is_exact(tiny_mnist, tmp_path):
+    # 8 batches an epoch in groups of 3: steps of 3, 3 and 2 batches. Stop after step 4 (epoch 2,
+    # batch 3); the resumed epoch must still weigh its short last group as the straight run does.
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    accumulate = ["--gradient_accumulation_steps", 3]
+    train(tiny_mnist, straight, *accumulate, "--max_steps", 6)
+    train(tiny_mnist, split, *accumulate, "--max_steps", 4)
+    res = train(tiny_mnist, split, *accumulate, "--max_steps", 6, "--resume", "latest")
+    assert "(epoch 2, step 4)" in res.output
+    assert_identical(weights(straight), weights(split))
+
+
 def test_two_process_resume_is_exact_too(tiny_mnist, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
     train(tiny_mnist, straight, "--max_steps", 7, nproc=2)
