@@ -18,6 +18,7 @@ Weights (for inference and fine-tuning):
     load_weights(model, "model.safetensors")      # also a DDP-era .pt with 'module.' keys
 """
 
+import datetime
 import json
 import os
 import pickle
@@ -104,6 +105,20 @@ def list_checkpoints(root):
     return sorted(done, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
+_WROTE = "recipes/checkpoint_written"  # a key in torchrun's store: this job has written a checkpoint
+
+
+def _job_store():
+    """The key-value store of the torchrun (or accelerate launch) agent, which lives as long as
+    the job, across worker restarts; None outside such a launch."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=60))
+
+
 def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
     """Write the full training state as root/step-NNNNNNNN, atomically; keep the newest `keep`.
 
@@ -121,12 +136,15 @@ def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
-        old = root / f".old-{final.name}"
+        aside = root / f".old-{final.name}"
         if final.exists():  # the same step again (an epoch end that is also a periodic checkpoint)
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)  # set aside, not deleted, until the new one is in place
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)  # set aside, not deleted, until the new one is in place
         os.replace(tmp, final)  # atomic: readers see the old checkpoints or the complete new one
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
+        store = _job_store()
+        if store is not None:
+            store.set(_WROTE, "1")  # workers that torchrun restarts may continue from here
         for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
@@ -137,13 +155,17 @@ def choose_checkpoint(resume, root, eval_only=False, restarted=False):
     """The checkpoint to continue from, or None to start afresh.
 
     resume: None, "latest" (the newest under root, if any) or a checkpoint folder.
-    restarted: torchrun restarted the workers after a failure. They continue from the newest
-    checkpoint under root, where this run had got to, even if --resume named an older one.
+    restarted: torchrun restarted the workers after a failure. If this job has written a
+    checkpoint, they continue from the newest under root, where the job had got to, even if
+    --resume named an older one. If not (it failed before, maybe on the errors below), they
+    start as the first attempt did: a restart never takes over an earlier run's checkpoints.
     """
     root = Path(root)
     found = list_checkpoints(root)
     if restarted and found:
-        return found[-1]
+        store = _job_store()
+        if store is None or store.check([_WROTE]):
+            return found[-1]
     if resume is None:
         if found and not eval_only:
             raise UserError(f"{root.parent} holds checkpoints of an earlier run: add --resume latest, "

@@ -34,8 +34,9 @@ class Result:
         return f"exit {self.returncode}\n{self.output[-4000:]}"
 
 
-def launch(script_args, nproc=1, launcher="accelerate", config=None, env=None, timeout=300):
-    """Run a recipe the way a user would; return its exit code and combined output."""
+def launch(script_args, nproc=1, launcher="accelerate", config=None, env=None, timeout=300, launcher_args=()):
+    """Run a recipe the way a user would; return its exit code and combined output.
+    launcher_args: more arguments for accelerate launch or torchrun, such as ["--max-restarts", 1]."""
     script_args = [str(a) for a in script_args]
     if launcher == "python":
         assert nproc == 1
@@ -43,9 +44,9 @@ def launch(script_args, nproc=1, launcher="accelerate", config=None, env=None, t
     elif launcher == "accelerate":
         config = config or ("cpu.yaml" if nproc == 1 else "2gpu.yaml")
         cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / config,
-               "--num_processes", nproc, "--main_process_port", free_port(), *script_args]
+               "--num_processes", nproc, "--main_process_port", free_port(), *launcher_args, *script_args]
     elif launcher == "torchrun":
-        cmd = [BIN / "torchrun", "--nproc_per_node", nproc, "--master_port", free_port(), *script_args]
+        cmd = [BIN / "torchrun", "--nproc_per_node", nproc, "--master_port", free_port(), *launcher_args, *script_args]
     else:
         raise ValueError(launcher)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

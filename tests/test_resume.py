@@ -141,6 +141,18 @@ def test_bad_resume_input_is_one_line_and_deletes_nothing(tiny_mnist, tmp_path):
     assert model_file.stat().st_size == 1000 and (ckpt / "optimizer.bin").is_file()
 
 
+def test_a_restart_never_takes_over_an_earlier_runs_checkpoints(tiny_mnist, tmp_path):
+    # The first attempt stops on "holds checkpoints of an earlier run"; torchrun restarts it, and
+    # the restarted workers must stop the same way, not resume the run they were refused.
+    train(tiny_mnist, tmp_path, "--max_steps", 2)
+    before = {p.name for p in (tmp_path / "checkpoints").iterdir()}
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON], nproc=2,
+                 launcher="torchrun", launcher_args=["--max-restarts", 1])
+    assert res.returncode != 0 and "resumed from" not in res.output
+    assert res.output.count("holds checkpoints of an earlier run") >= 2  # once per attempt
+    assert {p.name for p in (tmp_path / "checkpoints").iterdir()} == before
+
+
 def test_a_restarted_worker_continues_from_the_newest_checkpoint_not_the_one_named(tmp_path):
     # torchrun --max-restarts with --resume PATH: after a failure, the restarted workers go on
     # from where the run had got to, not from PATH again (which keep_checkpoints may have deleted).
