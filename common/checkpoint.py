@@ -105,7 +105,7 @@ def list_checkpoints(root):
     return sorted(done, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
-_WROTE = "recipes/checkpoint_written"  # a key in torchrun's store: this job has written a checkpoint
+_WROTE = "recipes/last_checkpoint"  # a key in torchrun's store: the checkpoint this job wrote last
 
 
 def _job_store():
@@ -144,7 +144,7 @@ def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
         shutil.rmtree(aside, ignore_errors=True)
         store = _job_store()
         if store is not None:
-            store.set(_WROTE, "1")  # workers that torchrun restarts may continue from here
+            store.set(_WROTE, final.name)  # where workers that torchrun restarts continue
         for old in list_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
@@ -156,16 +156,19 @@ def choose_checkpoint(resume, root, eval_only=False, restarted=False):
 
     resume: None, "latest" (the newest under root, if any) or a checkpoint folder.
     restarted: torchrun restarted the workers after a failure. If this job has written a
-    checkpoint, they continue from the newest under root, where the job had got to, even if
-    --resume named an older one. If not (it failed before, maybe on the errors below), they
-    start as the first attempt did: a restart never takes over an earlier run's checkpoints.
+    checkpoint, they continue from the last one it wrote, even if --resume named an older one
+    (or root holds higher-numbered ones of an abandoned run). If not (it failed before, maybe
+    on the errors below), they start as the first attempt did: a restart never takes over
+    another run's checkpoints. Without torchrun's store, the newest under root.
     """
     root = Path(root)
     found = list_checkpoints(root)
     if restarted and found:
         store = _job_store()
-        if store is None or store.check([_WROTE]):
+        if store is None:
             return found[-1]
+        if store.check([_WROTE]) and (root / store.get(_WROTE).decode()) in found:
+            return root / store.get(_WROTE).decode()
     if resume is None:
         if found and not eval_only:
             raise UserError(f"{root.parent} holds checkpoints of an earlier run: add --resume latest, "

@@ -177,7 +177,7 @@ def normalize(x):
 
 # The settings that decide which batches each process trains on, and in which order: a checkpoint
 # written mid-epoch resumes only with the same values (and the same number of processes).
-DATA_ORDER = ("seed", "batch_size", "gradient_accumulation_steps")
+DATA_ORDER = ("dataset", "train_split", "seed", "batch_size", "gradient_accumulation_steps")
 
 
 def save(accelerator, cfg, progress, scheduler):
@@ -303,7 +303,8 @@ def main(cfg):
     # 4. Resume: weights, optimizer, RNG of every rank, LR schedule, and the position in the data.
     progress = {"epoch": 1, "batches_done": 0, "step": 0, "best_accuracy": -1.0}
     if checkpoint:
-        state = load_checkpoint(accelerator, checkpoint, "mnist", {k: getattr(cfg, k) for k in DATA_ORDER})
+        order = None if cfg.eval_only else {k: getattr(cfg, k) for k in DATA_ORDER}  # eval_only reads no batches
+        state = load_checkpoint(accelerator, checkpoint, "mnist", order)
         scheduler.load_state_dict(state["scheduler"])
         progress = {k: state[k] for k in progress}
         accelerator.print(f"resumed from {checkpoint} (epoch {progress['epoch']}, step {progress['step']})")

@@ -461,7 +461,8 @@ def dice_counts(logits, target, num_classes):
 
 # The settings that decide which batches each process trains on, and in which order: a checkpoint
 # written mid-epoch resumes only with the same values (and the same number of processes).
-DATA_ORDER = ("seed", "batch_size", "gradient_accumulation_steps", "bucket_by_size", "max_batch_pixels")
+DATA_ORDER = ("dataset", "train_split", "val_fraction", "seed", "batch_size", "gradient_accumulation_steps",
+              "bucket_by_size", "max_batch_pixels")
 
 
 def save(accelerator, cfg, progress, scheduler, values):
@@ -489,12 +490,15 @@ def fit_cosine(scheduler, cfg, progress, steps_per_epoch):
     epochs, _ = cfg.limits()
     steps_left = (epochs - progress["epoch"] + 1) * steps_per_epoch - math.ceil(
         progress["batches_done"] / cfg.gradient_accumulation_steps)  # the rest of this epoch, then the later ones
-    # The schedule counts the steps it was stepped on: fp16 steps that the scaler skipped are not among them.
-    last = scheduler.last_epoch + steps_left
-    if steps_left > 0 and last != scheduler.T_max:
-        scheduler.T_max = last
-        for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
-            group["lr"] = base_lr * (1 + math.cos(math.pi * scheduler.last_epoch / last)) / 2
+    end = progress["step"] + steps_left
+    # end_step is saved with the schedule's state: a resume with the same plan leaves it as it is.
+    if steps_left > 0 and end != getattr(scheduler, "end_step", None):
+        scheduler.end_step = end
+        # The schedule counts the steps it was stepped on: fp16 steps that the scaler skipped are not among them.
+        if scheduler.last_epoch + steps_left != scheduler.T_max:
+            scheduler.T_max = scheduler.last_epoch + steps_left
+            for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
+                group["lr"] = base_lr * (1 + math.cos(math.pi * scheduler.last_epoch / scheduler.T_max)) / 2
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress, values):
@@ -741,7 +745,8 @@ def main(cfg):
     # 4. Resume: weights, optimizer, RNG of every rank, LR schedule, and the position in the data.
     progress = {"epoch": 1, "batches_done": 0, "step": 0, "best_dice": -1.0}
     if checkpoint:
-        state = load_checkpoint(accelerator, checkpoint, "unet", {k: getattr(cfg, k) for k in DATA_ORDER})
+        order = None if cfg.eval_only else {k: getattr(cfg, k) for k in DATA_ORDER}  # eval_only reads no batches
+        state = load_checkpoint(accelerator, checkpoint, "unet", order)
         if state["mask_values"] != values:
             raise DataError(f"checkpoint {checkpoint} maps mask values {state['mask_values']}, this data "
                             f"{values}: set --mask_values to match, or start a new run")

@@ -88,6 +88,13 @@ def test_bad_input_is_one_line_and_the_checkpoints_survive(case, run_with_checkp
     assert before.items() <= after.items(), "an existing checkpoint was changed or deleted"
 
 
+def test_eval_only_reads_a_mid_epoch_checkpoint_whatever_the_batch_size(run_with_checkpoint, tiny_mnist):
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", run_with_checkpoint, "--eval_only",
+                  "--resume", "latest", "--batch_size", 16], launcher="python")
+    assert_ok(res)
+    assert "test accuracy" in res.output
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_mnist, tmp_path):
     res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--batch_size", 32, "--lr", "1e30",
                   "--checkpoint_every_steps", 1], launcher="python")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from common.checkpoint import choose_checkpoint
+from common.checkpoint import _WROTE, choose_checkpoint
 from common.config import UserError
 from conftest import BIN, REPO, N_TEST, assert_ok, compile_config, free_port, launch, read_metrics
 
@@ -153,17 +153,29 @@ def test_a_restart_never_takes_over_an_earlier_runs_checkpoints(tiny_mnist, tmp_
     assert {p.name for p in (tmp_path / "checkpoints").iterdir()} == before
 
 
-def test_a_restarted_worker_continues_from_the_newest_checkpoint_not_the_one_named(tmp_path):
-    # torchrun --max-restarts with --resume PATH: after a failure, the restarted workers go on
-    # from where the run had got to, not from PATH again (which keep_checkpoints may have deleted).
+def test_a_restart_continues_from_the_checkpoint_this_job_wrote_last(tmp_path, monkeypatch):
+    # What torchrun's restarted workers find: the agent's store, which outlives them, and
+    # checkpoints from this job and maybe from others. Here this job resumed step-4 and wrote
+    # step-8; step-12 is left from an abandoned run.
+    import torch.distributed as dist
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
     for step in (4, 8, 12):
         (tmp_path / f"step-{step:08d}").mkdir()
         (tmp_path / f"step-{step:08d}" / "trainer_state.json").write_text("{}")
-    named = str(tmp_path.parent / "elsewhere" / "step-00000004")
-    assert choose_checkpoint(named, tmp_path, restarted=True) == tmp_path / "step-00000012"
-    assert choose_checkpoint(None, tmp_path / "none", restarted=True) is None  # failed before any checkpoint
-    with pytest.raises(UserError, match="resume checkpoint .* not found"):
-        choose_checkpoint(named, tmp_path)
+    named = tmp_path / "step-00000004"
+    # Before this job wrote a checkpoint, a restart starts as its first attempt did.
+    assert choose_checkpoint(str(named), tmp_path, restarted=True) == named
+    with pytest.raises(UserError, match="holds checkpoints of an earlier run"):
+        choose_checkpoint(None, tmp_path, restarted=True)
+    store.set(_WROTE, "step-00000008")  # what save_checkpoint records
+    assert choose_checkpoint(str(named), tmp_path, restarted=True) == tmp_path / "step-00000008"
+    assert choose_checkpoint(None, tmp_path, restarted=True) == tmp_path / "step-00000008"
+    assert choose_checkpoint(str(named), tmp_path) == named  # not a restart: what --resume says
 
 
 class _Exploit:

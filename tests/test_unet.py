@@ -112,6 +112,30 @@ def test_the_cosine_schedule_refits_when_a_resume_changes_the_process_count(shap
     assert schedule(last)["T_max"] == last and schedule(last)["_last_lr"][0] == pytest.approx(0, abs=1e-12)
 
 
+def test_a_resume_with_the_same_plan_leaves_the_cosine_alone_after_skipped_fp16_steps(unet):
+    # fp16's gradient scaler skips a few steps, and the recipe does not step the schedule on
+    # those: its count then trails the optimizer steps. Resuming with the same epochs must
+    # still continue the saved curve, not refit it.
+    cfg = unet.Config(epochs=2)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1)
+    unet.fit_cosine(scheduler, cfg, {"epoch": 1, "batches_done": 0, "step": 0}, steps_per_epoch=10)
+    assert scheduler.T_max == 20 and optimizer.param_groups[0]["lr"] == 1.0
+    for step in range(1, 11):
+        optimizer.step()
+        if step > 2:  # steps 1 and 2 were skipped
+            scheduler.step()
+    saved, lr = scheduler.state_dict(), optimizer.param_groups[0]["lr"]
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1)
+    scheduler.load_state_dict(saved)
+    unet.fit_cosine(scheduler, cfg, {"epoch": 2, "batches_done": 0, "step": 10}, steps_per_epoch=10)
+    assert scheduler.T_max == 20 and optimizer.param_groups[0]["lr"] == lr
+    # Three epochs instead of two: the curve now ends 20 steps on, where its count will be.
+    unet.fit_cosine(scheduler, unet.Config(epochs=3), {"epoch": 2, "batches_done": 0, "step": 10}, steps_per_epoch=10)
+    assert scheduler.T_max == 8 + 20
+    assert optimizer.param_groups[0]["lr"] == pytest.approx((1 + math.cos(math.pi * 8 / 28)) / 2)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm runs on GPUs only")
 def test_two_gpus_use_syncbatchnorm(shapes, tmp_path):
     res = launch([RECIPE, "--dataset", shapes, "--output_dir", tmp_path, "--smoke", *FAST], nproc=2)
