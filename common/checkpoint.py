@@ -182,6 +182,11 @@ def choose_checkpoint(resume, root, eval_only=False, restarted=False):
     path = Path(resume)
     if not path.is_dir():
         raise UserError(f"resume checkpoint {path} not found: pass --resume latest or a folder under {root}")
+    if not eval_only and found and path.resolve().parent == root.resolve() and found[-1].resolve() != path.resolve():
+        # Going on here would mix two histories: the newer checkpoints would outrank the new
+        # ones, for --resume latest and for keep_checkpoints, which would delete the new ones.
+        raise UserError(f"{path} is older than {found[-1].name} in the same folder: to go on from it, train into "
+                        f"another folder (--resume {path} --output_dir NEW_DIR)")
     return path
 
 

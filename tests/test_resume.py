@@ -112,6 +112,10 @@ def test_keep_last_checkpoints_and_ignore_unfinished_writes(tiny_mnist, tmp_path
     train(tiny_mnist, tmp_path, "--max_steps", 6, "--checkpoint_every_steps", 2, "--keep_checkpoints", 2)
     ckpts = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000004", "step-00000006"]
+    # Going on from the older one here would let step-6 outrank (and keep_checkpoints delete) the new ones.
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON, "--resume", ckpts / "step-00000004"],
+                 launcher="python")
+    assert res.returncode == 2 and "is older than step-00000006 in the same folder" in res.output.splitlines()[-1], res
     # What a run killed while writing step 8 leaves behind: a temporary folder, half written.
     partial = ckpts / ".tmp-step-00000008"
     shutil.copytree(ckpts / "step-00000006", partial)
@@ -155,8 +159,8 @@ def test_a_restart_never_takes_over_an_earlier_runs_checkpoints(tiny_mnist, tmp_
 
 def test_a_restart_continues_from_the_checkpoint_this_job_wrote_last(tmp_path, monkeypatch):
     # What torchrun's restarted workers find: the agent's store, which outlives them, and
-    # checkpoints from this job and maybe from others. Here this job resumed step-4 and wrote
-    # step-8; step-12 is left from an abandoned run.
+    # checkpoints from this job and maybe from others. Here this job resumed step-4 (copied in
+    # from elsewhere) and wrote step-8; step-12 is left from an abandoned run.
     import torch.distributed as dist
 
     port = free_port()
@@ -168,14 +172,16 @@ def test_a_restart_continues_from_the_checkpoint_this_job_wrote_last(tmp_path, m
         (tmp_path / f"step-{step:08d}").mkdir()
         (tmp_path / f"step-{step:08d}" / "trainer_state.json").write_text("{}")
     named = tmp_path / "step-00000004"
-    # Before this job wrote a checkpoint, a restart starts as its first attempt did.
-    assert choose_checkpoint(str(named), tmp_path, restarted=True) == named
+    # Before this job wrote a checkpoint, a restart starts as its first attempt did: no takeover
+    # of the newer checkpoints, and no going on from an older one among them.
     with pytest.raises(UserError, match="holds checkpoints of an earlier run"):
         choose_checkpoint(None, tmp_path, restarted=True)
+    with pytest.raises(UserError, match="step-00000004 is older than step-00000012 in the same folder: to go on"):
+        choose_checkpoint(str(named), tmp_path, restarted=True)
+    assert choose_checkpoint(str(named), tmp_path, eval_only=True) == named  # evaluating it writes nothing
     store.set(_WROTE, "step-00000008")  # what save_checkpoint records
     assert choose_checkpoint(str(named), tmp_path, restarted=True) == tmp_path / "step-00000008"
     assert choose_checkpoint(None, tmp_path, restarted=True) == tmp_path / "step-00000008"
-    assert choose_checkpoint(str(named), tmp_path) == named  # not a restart: what --resume says
 
 
 class _Exploit:
