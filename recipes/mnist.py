@@ -60,7 +60,7 @@ class Config:
     # Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume.
     checkpoint_every_steps: int = 0  # also write one every N optimizer steps (0: only at epoch ends)
     keep_checkpoints: int = 3  # delete older ones
-    resume: Optional[str] = None  # "latest" or a checkpoint folder; torchrun restarts resume from latest
+    resume: Optional[str] = None  # "latest" or a checkpoint folder; torchrun restarts go on from this job's last one
     # Modes.
     smoke: bool = False  # train smoke_steps steps of one epoch, then evaluate: for tests and CI
     smoke_steps: int = 5

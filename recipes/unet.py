@@ -88,7 +88,7 @@ class Config:
     # Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume.
     checkpoint_every_steps: int = 0  # also write one every N optimizer steps (0: only at epoch ends)
     keep_checkpoints: int = 3  # delete older ones
-    resume: Optional[str] = None  # "latest" or a checkpoint folder; torchrun restarts resume from latest
+    resume: Optional[str] = None  # "latest" or a checkpoint folder; torchrun restarts go on from this job's last one
     # Logging (metrics.jsonl is always written).
     log_with: str = "none"  # none, tensorboard (pip install -r requirements-extras.txt) or wandb (pip install wandb)
     log_every: int = 20  # optimizer steps between logged training scalars; image panels at every evaluation

@@ -65,12 +65,16 @@ def test_eval_is_identical_on_one_and_two_processes(trained, tiny_mnist, tmp_pat
     assert results[1]["accuracy"] == results[2]["accuracy"]
     assert results[1]["accuracy"] == read_metrics(trained[0])[-1]["accuracy"]
     assert results[1]["eval_loss"] == pytest.approx(results[2]["eval_loss"], rel=1e-5)
-    # Evaluating into the training run's folder adds a line to its metrics and keeps its config.
-    config = (trained[0] / "config.yaml").read_text()
-    assert_ok(launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", trained[0], "--eval_only", "--weights", weights],
+
+
+def test_eval_only_into_the_training_folder_adds_a_line_and_keeps_its_config(trained, tiny_mnist):
+    out = trained[0]
+    config, rows = (out / "config.yaml").read_text(), len(read_metrics(out))
+    weights = out / "model.safetensors"
+    assert_ok(launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, "--eval_only", "--weights", weights],
                      launcher="python"))
-    assert (trained[0] / "config.yaml").read_text() == config
-    assert read_metrics(trained[0])[-1]["weights"] == str(weights)
+    assert (out / "config.yaml").read_text() == config  # --config out/config.yaml still repeats the training run
+    assert len(read_metrics(out)) == rows + 1 and read_metrics(out)[-1]["weights"] == str(weights)
 
 
 def test_shards_are_disjoint_and_reshuffled_from_the_seed(tiny_mnist, tmp_path):

@@ -157,7 +157,7 @@ def test_a_restart_never_takes_over_an_earlier_runs_checkpoints(tiny_mnist, tmp_
     assert {p.name for p in (tmp_path / "checkpoints").iterdir()} == before
 
 
-def test_a_restart_continues_from_the_checkpoint_this_job_wrote_last(tmp_path, monkeypatch):
+def test_a_restart_goes_on_from_this_jobs_last_checkpoint_and_never_from_another_runs(tmp_path, monkeypatch):
     # What torchrun's restarted workers find: the agent's store, which outlives them, and
     # checkpoints from this job and maybe from others. Here this job resumed step-4 (copied in
     # from elsewhere) and wrote step-8; step-12 is left from an abandoned run.
