@@ -124,6 +124,8 @@ def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
 
     Every rank must call it (each saves its own RNG state); only the main process renames
     and deletes, and everyone waits until the checkpoint is complete before going on.
+    trainer_state.json also records `step` and `world_size`, the process count: a checkpoint
+    written mid-epoch resumes only on as many processes.
     """
     root = Path(root)
     final = root / f"step-{step:08d}"
@@ -135,7 +137,8 @@ def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
     accelerator.save_state(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
+        state = {**trainer_state, "step": step, "world_size": accelerator.num_processes}
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         aside = root / f".old-{final.name}"
         if final.exists():  # the same step again (an epoch end that is also a periodic checkpoint)
             shutil.rmtree(aside, ignore_errors=True)
@@ -229,4 +232,5 @@ def load_checkpoint(accelerator, path, recipe, data_order=None):
             f"cannot load checkpoint {path} ({first[0][:200] if first else type(e).__name__}): it is truncated "
             f"or was saved with other model settings; resume from another checkpoint"
         ) from None
+    accelerator.print(f"resumed from {path} (epoch {state.get('epoch')}, step {state.get('step')})")
     return state

@@ -17,10 +17,13 @@ message; nothing here prints or exits.
 """
 
 import dataclasses
+import math
 import sys
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -172,6 +175,61 @@ def require(condition, message):
     """Raise ConfigError(message) unless `condition`; for a recipe's `validate()`."""
     if not condition:
         raise ConfigError(message)
+
+
+def require_at_least(cfg, minimum, *names):
+    """ConfigError "NAME must be at least MINIMUM, got VALUE" for the first field below `minimum`."""
+    for name in names:
+        value = getattr(cfg, name)
+        require(value >= minimum, f"{name} must be at least {minimum}, got {value}")
+
+
+@dataclass
+class RunConfig:
+    """The settings that every recipe shares: how long to train, checkpoints, modes, logging.
+
+    A recipe's Config subclasses it and adds its own fields (data, model, optimizer), which
+    must include epochs, batch_size, eval_batch_size, lr, seed and num_workers. A field
+    declared again in the recipe takes the recipe's default.
+    """
+
+    gradient_accumulation_steps: int = 1  # optimizer step every N batches
+    scale_lr: bool = False  # multiply lr by processes x accumulation steps (linear scaling rule)
+    deterministic: bool = False  # bit-repeatable GPU runs, slower (common/determinism.py)
+    max_steps: int = 0  # stop after this many optimizer steps (0: train all epochs)
+    # Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume.
+    checkpoint_every_steps: int = 0  # also write one every N optimizer steps (0: only at epoch ends)
+    keep_checkpoints: int = 3  # delete older ones
+    resume: Optional[str] = None  # "latest" or a checkpoint folder (torchrun restarts: this job's last)
+    # Modes.
+    smoke: bool = False  # train smoke_steps steps of one epoch, then evaluate: for tests and CI
+    smoke_steps: int = 5
+    eval_only: bool = False  # evaluate `weights` (or the `resume` checkpoint) and stop
+    weights: Optional[str] = None  # model.safetensors (or a state_dict .pt) to start from
+    # Logging: metrics.jsonl is always written; log_with also sends it to a tracker.
+    log_with: str = "none"  # none, tensorboard (requirements-extras.txt) or wandb (pip install wandb)
+    log_every: int = 50  # optimizer steps between logged training scalars
+    dist_timeout_s: int = 600  # a rank stuck this long in a collective stops the job
+    debug: bool = False  # show full tracebacks for user errors
+
+    def validate(self):
+        """The checks every recipe needs; a recipe's validate() calls this, then adds its own."""
+        require_at_least(self, 1, "epochs", "batch_size", "eval_batch_size", "gradient_accumulation_steps",
+                         "smoke_steps", "log_every", "keep_checkpoints")
+        require_at_least(self, 0, "num_workers", "max_steps", "checkpoint_every_steps")
+        require(self.lr > 0, f"lr must be positive, got {self.lr}")
+        require(not (self.weights and self.resume), "weights and resume both load a model: pass one of them")
+        require(not self.eval_only or self.weights or self.resume,
+                "eval_only needs --weights FILE or --resume CHECKPOINT")
+
+    def scaled_lr(self, processes):
+        """lr, times processes x accumulation steps with scale_lr (the linear scaling rule)."""
+        return self.lr * (processes * self.gradient_accumulation_steps if self.scale_lr else 1)
+
+    def limits(self):
+        """(epochs, optimizer steps) the run trains for, counted from its start, also when
+        resumed; smoke: smoke_steps steps of one epoch."""
+        return (1, self.smoke_steps) if self.smoke else (self.epochs, self.max_steps or math.inf)
 
 
 def save_config(cfg, path):

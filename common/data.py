@@ -1,7 +1,10 @@
-"""Loading a dataset by hub name or local folder, with one-line errors.
+"""Loading a dataset by hub name or local folder, with one-line errors, and small data helpers.
 
     splits = load_splits("ylecun/mnist", ["train", "test"], columns=["image", "label"])
     splits = load_splits("data/mnist_sample", ["train", "test"], columns=["image", "label"])
+    labels = class_labels(splits["train"], "label", 10, "train split")   # int64, checked
+    require_one_batch_per_process(len(train_set), batch_size, accelerator, "the train split")
+    TensorBatches(images, labels)       # a TensorDataset read a whole batch at a time
 
 A local folder is read by `datasets.load_dataset` itself: parquet files named
 train*/test*, or the imagefolder layout train/<label>/*.png. A hub name is
@@ -14,6 +17,9 @@ import os
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
+
+import torch
+from torch.utils.data import TensorDataset
 
 from common.config import UserError
 
@@ -91,3 +97,37 @@ def load_splits(name, splits, columns):
             raise DataError(f"dataset {name} split {split!r} is empty")
         out[split] = ds
     return out
+
+
+def require_one_batch_per_process(samples, batch_size, accelerator, what):
+    """DataError unless `samples` fill one batch of `batch_size` on every process: with fewer, a
+    prepared loader would repeat samples to give each process a batch."""
+    if samples < batch_size * accelerator.num_processes:
+        raise DataError(f"{what} has {samples} samples, fewer than one batch for each process "
+                        f"({batch_size} x {accelerator.num_processes} processes): lower batch_size")
+
+
+class TensorBatches(TensorDataset):
+    """A TensorDataset that the DataLoader reads a batch at a time (`__getitems__`): one indexing
+    operation per batch, no collate. Its tensors may live on the GPU: the sampler still picks
+    the indices (sharding, shuffling, resume are unchanged), and only they are copied per step."""
+
+    def __getitems__(self, indices):
+        indices = torch.as_tensor(indices)
+        if self.tensors[0].is_cuda:  # a plain copy to the GPU would wait for all its queued work
+            indices = indices.pin_memory().to(self.tensors[0].device, non_blocking=True)
+        return tuple(t[indices] for t in self.tensors)
+
+
+def class_labels(split, column, num_classes, where):
+    """A datasets split's label column as int64 class indices, read as one column, or a
+    DataError naming the column's type or the label out of range."""
+    labels = split.select_columns([column]).with_format("numpy")[:][column]
+    if labels.dtype.kind not in "iu":
+        raise DataError(f"{where}'s column {column!r} holds {split.features[column]}, not class indices: "
+                        f"map the labels to integers 0..{num_classes - 1}")
+    labels = torch.from_numpy(labels).long()
+    if labels.min() < 0 or labels.max() >= num_classes:
+        bad = int(labels.max() if labels.max() >= num_classes else labels.min())
+        raise DataError(f"{where} has label {bad}; labels must be 0..{num_classes - 1}")
+    return labels

@@ -1,7 +1,10 @@
-"""Starting and stopping a run: the Accelerator, user errors, and a clean exit.
+"""Starting and stopping a run: the Accelerator, the output folder, user errors, a clean exit.
 
     def main(cfg):
         accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed)
+        out, checkpoint = open_run(accelerator, cfg)      # output_dir, and what to resume from
+        ...data...
+        metrics = start_logging(accelerator, cfg, "mnist")  # config.yaml, trackers, metrics.jsonl
         ...training...
         del model, optimizer, train_loader, test_loader
         close(accelerator)
@@ -10,6 +13,7 @@
         run(main, Config)
 """
 
+import dataclasses
 import datetime
 import functools
 import gc
@@ -25,7 +29,9 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
-from common.config import UserError, parse_config
+from common.checkpoint import choose_checkpoint
+from common.config import UserError, parse_config, save_config
+from common.metrics import MetricsLog
 
 
 def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kwargs):
@@ -71,8 +77,7 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
 
 def _ask_for_lomo_once():
     """Accelerate 1.15's optimizer.step() asks importlib twice per step whether the lomo_optim
-    package is installed: about 0.5 ms a step on an H100 machine, a fifth of a small model's
-    step there (measured with cProfile, see the README's performance section). The answer
+    package is installed, a cost that shows on small models (docs/performance.md). The answer
     cannot change while the job runs, so remember it."""
     check = accelerate.optimizer.is_lomo_available
     if not hasattr(check, "cache_info"):
@@ -112,19 +117,32 @@ def tracker(log_with):
     return log_with
 
 
-def describe(accelerator, batch_size):
-    """One line: where and how this run trains."""
+def describe(accelerator, batch):
+    """One line: where and how this run trains. batch: the batch size per process, or a text
+    that says what a batch is (bucketed batches)."""
     precision = accelerator.mixed_precision
     if precision == "fp16" and accelerator.device.type == "cpu":
         precision = "fp16 requested, but the CPU runs fp16 configs in fp32 (use bf16 on CPU)"
     backend = f", {accelerator.state.backend}" if accelerator.num_processes > 1 else ""
     dynamo = accelerator.state.dynamo_plugin.backend  # the accelerate config's dynamo_backend
     compiled = f", torch.compile backend {dynamo.value.lower()}" if dynamo.value != "NO" else ""
-    return (
-        f"{accelerator.num_processes} process(es) on {accelerator.device.type}{backend}, "
-        f"precision {precision}{compiled}, batch {batch_size} per process = "
-        f"{batch_size * accelerator.num_processes * accelerator.gradient_accumulation_steps} per optimizer step"
-    )
+    if isinstance(batch, int):
+        per_step = batch * accelerator.num_processes * accelerator.gradient_accumulation_steps
+        batch = f"batch {batch} per process = {per_step} per optimizer step"
+    return f"{accelerator.num_processes} process(es) on {accelerator.device.type}{backend}, " \
+           f"precision {precision}{compiled}, {batch}"
+
+
+def sync_batchnorm(model, accelerator, enabled):
+    """The model with SyncBatchNorm where it works (several processes on GPUs; Accelerate leaves
+    BatchNorm per process), and a few words saying which BatchNorm the run uses."""
+    if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return model, "no BatchNorm"
+    if accelerator.num_processes == 1:
+        return model, "BatchNorm"
+    if enabled and accelerator.device.type != "cpu":
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model), "SyncBatchNorm"
+    return model, f"BatchNorm per process ({'SyncBatchNorm needs GPUs' if enabled else 'sync_bn is off'})"
 
 
 def close(accelerator):
@@ -152,6 +170,27 @@ def make_output_dir(path):
     except OSError as e:
         raise UserError(f"output_dir {path} is not writable ({e.strerror}): choose another --output_dir") from None
     return path
+
+
+def open_run(accelerator, cfg):
+    """The output folder, created, and the checkpoint to continue from (None: start afresh).
+    Bad resume input stops here, before any data is read."""
+    out = make_output_dir(cfg.output_dir)
+    checkpoint = choose_checkpoint(cfg.resume, out / "checkpoints", cfg.eval_only, restarted=elastic_restart())
+    if cfg.resume == "latest" and not checkpoint:
+        accelerator.print(f"resume latest: no checkpoint in {out / 'checkpoints'} yet, so training starts at step 0")
+    return out, checkpoint
+
+
+def start_logging(accelerator, cfg, name):
+    """Write config.yaml (the settings as resolved, so --config repeats the run), start the
+    trackers that log_with names, and return the metrics.jsonl writer. eval_only keeps the
+    training run's config.yaml."""
+    out = Path(cfg.output_dir)
+    if accelerator.is_main_process and not cfg.eval_only:
+        save_config(cfg, out / "config.yaml")
+    accelerator.init_trackers(name, config=dataclasses.asdict(cfg))  # nothing unless log_with says so
+    return MetricsLog(out / "metrics.jsonl", accelerator.is_main_process)
 
 
 def _rank():

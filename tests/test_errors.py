@@ -63,7 +63,7 @@ CASES = {
     "channels": (["--dataset", "{bad}/rgb"], "BasicNet takes 28x28 greyscale"),
     "label range": (["--dataset", "{bad}/bad_label"], "has label 12; labels must be 0..9"),
     "label type": (["--dataset", "{bad}/text_label"], "column 'label' holds Value('string'), not class indices"),
-    "smaller than a global batch": (["--batch_size", "1000"], "fewer than one global batch (1000 x 1 processes)"),
+    "smaller than a batch per process": (["--batch_size", "1000"], "fewer than one batch for each process (1000 x 1 processes)"),
     "resume path": (["--resume", "/no/such/checkpoint"], "resume checkpoint /no/such/checkpoint not found"),
     "mid-epoch resume": (["--batch_size", "16"], "was written mid-epoch with batch_size 32, not 16: resume it with"),
 }

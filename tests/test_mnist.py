@@ -1,6 +1,7 @@
 """The MNIST recipe, launched as users launch it, on tiny real-digit data."""
 
 import contextlib
+import difflib
 import json
 import uuid
 
@@ -129,10 +130,12 @@ class TinyNet(nn.Module):  # the user's own model
 @contextlib.contextmanager
 def copy_with_tiny_model():
     """recipes/mnist.py copied as README "Make your own recipe" says, with BasicNet swapped for TinyNet."""
-    source = (REPO / RECIPE).read_text()
-    assert source.count("model = BasicNet()") == 1
-    source = source.replace("# ADAPT: your model.", TINY_MODEL + "# ADAPT: your model.")
+    original = (REPO / RECIPE).read_text()
+    assert original.count("model = BasicNet()") == 1
+    source = original.replace("# ADAPT: your model.", TINY_MODEL + "# ADAPT: your model.")
     source = source.replace("model = BasicNet()", "model = TinyNet()")
+    # One line of the recipe changes, besides the model added (README: Make your own recipe).
+    assert sum(line.startswith("- ") for line in difflib.ndiff(original.splitlines(), source.splitlines())) == 1
     copy = REPO / "recipes" / f"my_recipe_{uuid.uuid4().hex[:8]}.py"
     copy.write_text(source)
     try:

@@ -1,0 +1,132 @@
+"""Where a run is, and the bookkeeping around its training step. It never runs the loop.
+
+    run = Progress(accelerator, cfg, metric="accuracy")
+    if checkpoint:
+        run.load(trainer_state)                        # epoch, batch in the epoch, step, best
+    while run.epochs_left():
+        run.start_epoch(len(loader))
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                loss = ...
+                accelerator.backward(run.weighted(loss))
+                optimizer.step()
+                optimizer.zero_grad()
+            if not run.after_batch(loss, len(y)):      # still accumulating
+                continue
+            if run.log_due:
+                accelerator.log(run.train_scalars(optimizer), step=run.step)
+            if run.checkpoint_due:                     # every checkpoint_every_steps, and on a stop
+                save_checkpoint(..., {**run.state(), ...})
+            if run.stopping:                           # max_steps, or Ctrl-C / SIGTERM
+                break
+        train_metrics = run.epoch_metrics()
+        ...evaluate...
+        if run.end_epoch(len(train_loader)):           # the epoch was complete
+            ...epoch-end checkpoint...
+
+after_batch() on some steps, train_scalars() and epoch_metrics() are collectives: call them on
+every rank, in the same order, as the loop above does. Between those steps after_batch() does
+no host sync: the loss is added up on the device.
+"""
+
+from pathlib import Path
+
+from common.metrics import Throughput, TrainLoss, peak_memory_mb
+from common.runtime import stop_requested
+
+CHECK_EVERY = 10  # optimizer steps between looks for a nan loss and for Ctrl-C on any rank
+
+
+class Progress:
+    """Epoch, batches done in it, optimizer steps and the best metric, and per epoch the
+    training loss, throughput, skipped fp16 steps and the short last accumulation group."""
+
+    def __init__(self, accelerator, cfg, metric):
+        self.accelerator, self.cfg = accelerator, cfg
+        self.epochs, self.max_steps = cfg.limits()
+        self.best_key = f"best_{metric}"
+        self.epoch, self.batches_done, self.step, self.best = 1, 0, 0, None
+        self.stopping = self.interrupted = self.log_due = self.checkpoint_due = False
+        self.checkpoints = Path(cfg.output_dir) / "checkpoints"
+
+    def state(self):
+        """What a checkpoint stores to continue from here (trainer_state.json)."""
+        return {"epoch": self.epoch, "batches_done": self.batches_done, "step": self.step,
+                self.best_key: self.best}
+
+    def load(self, state):
+        self.epoch, self.batches_done, self.step = state["epoch"], state["batches_done"], state["step"]
+        self.best = state.get(self.best_key)
+
+    def epochs_left(self):
+        """True while there is training to do: not eval_only, neither limit reached, no stop."""
+        return (not self.cfg.eval_only and self.epoch <= self.epochs and self.step < self.max_steps
+                and not self.interrupted)
+
+    def start_epoch(self, batches):
+        """Reset the epoch's meters. batches: what the loader yields (the rest, after a resume)."""
+        self.losses = TrainLoss(self.accelerator.device, self.step)
+        self.speed, self.window, self.skipped = Throughput(), Throughput(), 0
+        # Accelerate divides every loss by gradient_accumulation_steps. When that does not divide
+        # the epoch's batches, the last group is shorter: its losses weigh more, so that its step
+        # too gets the mean gradient of its batches.
+        total, group = self.batches_done + batches, self.cfg.gradient_accumulation_steps
+        self.short_from = total - total % group
+        self.short_weight = group / (total % group) if total % group else 1.0
+
+    def weighted(self, loss):
+        """The loss to backpropagate: weighted up inside a short last accumulation group."""
+        return loss * self.short_weight if self.batches_done >= self.short_from else loss
+
+    def after_batch(self, loss, samples):
+        """Count a batch; True when it ended an optimizer step. Then step is one more, and
+        log_due, checkpoint_due and stopping say what the loop does next. A nan or inf loss
+        on any rank raises before a checkpoint can hold it."""
+        self.batches_done += 1
+        self.losses.update(loss, samples)  # one kernel, no host sync
+        self.speed.update(samples)
+        self.window.update(samples)
+        self.log_due = self.checkpoint_due = False
+        if not self.accelerator.sync_gradients:
+            return False
+        self.step += 1
+        self.skipped += self.accelerator.optimizer_step_was_skipped  # fp16: the scaler skipped it
+        self.interrupted = stop_requested(self.accelerator, self.step, CHECK_EVERY)
+        self.stopping = self.interrupted or self.step >= self.max_steps
+        every = self.cfg.checkpoint_every_steps
+        self.checkpoint_due = self.stopping or bool(every and self.step % every == 0)
+        if self.checkpoint_due or self.step % CHECK_EVERY == 0:
+            self.losses.check(self.accelerator, self.step, self.checkpoints)
+        self.log_due = self.cfg.log_with != "none" and self.step % self.cfg.log_every == 0
+        return True
+
+    def train_scalars(self, optimizer):
+        """The tracker's training scalars since the last call: loss over all ranks, lr, samples/s."""
+        scalars = {"train/loss": self.losses.window(self.accelerator),
+                   "train/lr": optimizer.param_groups[0]["lr"],
+                   "train/samples_per_s": self.window.compute(self.accelerator)}
+        self.window = Throughput()
+        return scalars
+
+    def epoch_metrics(self):
+        """The epoch's training metrics for metrics.jsonl, after a last check for a nan loss."""
+        self.losses.check(self.accelerator, self.step, self.checkpoints)
+        return {"train_loss": self.losses.mean(self.accelerator),
+                "train_samples_per_s": self.speed.compute(self.accelerator),
+                "skipped_steps": self.skipped,
+                "peak_memory_mb": peak_memory_mb(self.accelerator.device)}
+
+    def end_epoch(self, batches):
+        """True if the epoch of `batches` batches is complete (max_steps can stop one early):
+        the position moves to the start of the next epoch."""
+        if self.batches_done != batches:
+            return False
+        self.epoch, self.batches_done = self.epoch + 1, 0
+        return True
+
+    def improved(self, value):
+        """True, and remembered, if `value` is the best metric so far (higher is better)."""
+        if self.best is not None and value <= self.best:
+            return False
+        self.best = value
+        return True
