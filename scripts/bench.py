@@ -68,6 +68,8 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from torchvision import transforms  # noqa: E402
 
 from common.metrics import peak_memory_mb  # noqa: E402
+from common.progress import Progress  # noqa: E402
+from common.segmentation import load_data, loss_per_image, open_sources  # noqa: E402
 from common.runtime import build_accelerator, close  # noqa: E402
 from recipe_module import load_recipe  # noqa: E402  (tests/recipe_module.py)
 
@@ -125,17 +127,18 @@ def bound_rep(model, batches, train_step):
 def recipe_rep(accelerator, loader, progress, epoch_steps, sizes, train_epoch):
     """A repetition of the recipe variant, run as main() runs an epoch: set_epoch (and the
     U-Net's augmentation epoch), then the last len(sizes) batches of the epoch, reached through
-    skip_first_batches as a mid-epoch resume does, trained by train_epoch(loader)."""
+    skip_first_batches as a mid-epoch resume does, trained by train_epoch(loader).
+    progress: the recipe's common.progress.Progress, which train_one_epoch updates."""
     def rep():
-        loader.set_epoch(progress["epoch"])  # a new order every epoch
+        loader.set_epoch(progress.epoch)  # a new order every epoch
         if hasattr(loader.dataset, "epoch"):
-            loader.dataset.epoch = progress["epoch"]  # and new augmentations
+            loader.dataset.epoch = progress.epoch  # and new augmentations
         skip = epoch_steps - len(sizes)
-        progress["batches_done"] = skip
-        train, stop = train_epoch(accelerator.skip_first_batches(loader, skip) if skip else loader)
-        if stop:  # Ctrl-C: train_one_epoch stopped (and wrote a checkpoint to the scratch dir)
+        progress.batches_done = skip
+        train = train_epoch(accelerator.skip_first_batches(loader, skip) if skip else loader)
+        if progress.interrupted:  # Ctrl-C: train_one_epoch stopped (and wrote a checkpoint to the scratch dir)
             raise KeyboardInterrupt
-        progress["epoch"] += 1
+        progress.epoch += 1
         rep.peak_mb = train["peak_memory_mb"]
         return sum(sizes)
 
@@ -199,7 +202,7 @@ def bench_mnist(args, accelerator):
         model, optimizer = new_model()
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma)
         model, optimizer, loader = accelerator.prepare(model, optimizer, train_loader)
-        progress = {"epoch": 1, "batches_done": 0, "step": 0, "best_accuracy": -1.0}
+        progress = Progress(accelerator, cfg, metric="accuracy")
 
         return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, lambda epoch_loader: mnist.train_one_epoch(
             model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress))
@@ -289,17 +292,17 @@ def bench_unet(args, accelerator):
         raise SystemExit(f"error: the U-Net bench needs a folder with imgs/ and masks/ (the classic loop opens "
                          f"the files), not {cfg.dataset}")
     # The recipe's own data path, as its main() builds it on one process.
-    train_source, val_source = unet.open_sources(cfg)
-    found, image_sizes = unet.scan_masks(accelerator, [train_source, val_source])
-    values, _ = unet.mask_values_and_size(cfg, found, image_sizes, None)
-    train_loader, _ = unet.make_loaders(cfg, train_source, val_source, values, pin_memory=device.type == "cuda")
+    data = load_data(cfg, accelerator, *unet.transforms(cfg))
+    cfg = dataclasses.replace(cfg, num_classes=data.num_classes)
+    train_loader, values = data.train_loader, data.values
+    train_source, _ = open_sources(cfg)  # the image and mask files, for the classic loop
     train_set = train_loader.dataset
     epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset)
     steps = len(sizes)
 
     def new_model(cfg=cfg, tutorial=False):
         set_seed(cfg.seed)  # the same initial weights in every variant
-        model = unet.UNet(cfg.num_classes, cfg.base_channels, cfg.bilinear)
+        model = unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS})
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
         if tutorial:  # the recipe's AdamW settings, with the foreach kernels that milesial asks for
@@ -310,7 +313,7 @@ def bench_unet(args, accelerator):
 
     def step(model, optimizer, x, y):
         """The recipe's training step with nothing around it: loss, backward, clipping, AdamW."""
-        loss = unet.loss_per_image(model(x), y, cfg.num_classes).mean()
+        loss = loss_per_image(model(x), y, cfg.num_classes).mean()
         accelerator.backward(loss)
         if cfg.grad_clip:
             accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -324,7 +327,7 @@ def bench_unet(args, accelerator):
             model = torch.compile(model)
         # As main(): the cosine schedule over all epochs' optimizer steps, stepped by train_one_epoch.
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, cfg.epochs * epoch_steps)
-        progress = {"epoch": 1, "batches_done": 0, "step": 0, "best_dice": -1.0}
+        progress = Progress(accelerator, cfg, metric="dice")
 
         return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, lambda epoch_loader: unet.train_one_epoch(
             model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress, values))
@@ -363,7 +366,7 @@ def bench_unet(args, accelerator):
         "model": f"UNet(base_channels={cfg.base_channels})",
         "optimizer": f"AdamW(lr={cfg.lr}, weight_decay={cfg.weight_decay}), gradient norm clipped to {cfg.grad_clip}; "
                      f"recipe and bound: make_optimizer (fused kernels, except under fp16); classic: foreach kernels",
-        "recipe_loop": f"recipes/unet.py make_loaders + train_one_epoch (num_workers {cfg.num_workers})",
+        "recipe_loop": f"common/segmentation.py load_data + recipes/unet.py train_one_epoch (num_workers {cfg.num_workers})",
         "startup_cmd": [sys.executable, "recipes/unet.py", "--dataset", cfg.dataset, "--smoke",
                         "--smoke_steps", "1"],
         "startup_marker": "unet: ",  # main() prints this line after data, model and prepare()

@@ -19,18 +19,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common.checkpoint import save_weights
 from common.runtime import build_accelerator, close
+from common.segmentation import load_data
 
 unet = load_recipe("unet")
 
 shapes, out, val_fraction = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
 cfg = unet.Config(dataset=shapes, output_dir=str(out), val_fraction=val_fraction, bucket_by_size=True,
-                  base_channels=4, num_workers=0)
+                  num_classes=4, base_channels=4, num_workers=0)
 accelerator = build_accelerator()
-train_source, val_source = unet.open_sources(cfg)
-found, sizes = unet.scan_masks(accelerator, [train_source, val_source])
-values, _ = unet.mask_values_and_size(cfg, found, sizes, None)
-_, val_loader, _ = unet.make_bucket_loaders(cfg, accelerator, train_source, val_source, values, sizes)
-model = unet.UNet(cfg.num_classes, cfg.base_channels, cfg.bilinear)
+val_loader = load_data(cfg, accelerator, *unet.transforms(cfg)).val_loader
+model = unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS})
 optimizer = torch.optim.AdamW(model.parameters())
 model, optimizer = accelerator.prepare(model, optimizer)
 

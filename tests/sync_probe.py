@@ -8,13 +8,13 @@ own, prepared as their main() prepares them.
     python tests/sync_probe.py MNIST_DIR SHAPES_DIR
 """
 
-import dataclasses
 import sys
 
 import torch
 from recipe_module import load_recipe  # first: it puts the repository on sys.path
 
 from common.runtime import build_accelerator, close
+from common.segmentation import load_data
 
 mnist_dir, shapes_dir = sys.argv[1:3]
 mnist, unet = load_recipe("mnist"), load_recipe("unet")
@@ -26,14 +26,12 @@ loaders = {}
 for on_device in (True, False):
     cfg = mnist.Config(dataset=mnist_dir, data_on_device=on_device, batch_size=32)
     loaders[f"mnist data_on_device {on_device}"] = accelerator.prepare(mnist.make_loaders(cfg, device)[0])
-cfg = unet.Config(dataset=shapes_dir, batch_size=4, num_workers=2)
-train_source, val_source = unet.open_sources(cfg)
-found, sizes = unet.scan_masks(accelerator, [train_source, val_source])
-values, _ = unet.mask_values_and_size(cfg, found, sizes, None)
-loaders["unet"] = accelerator.prepare(unet.make_loaders(cfg, train_source, val_source, values, pin_memory=True)[0])
-bucketed = dataclasses.replace(cfg, bucket_by_size=True)
-loaders["unet bucket_by_size"] = unet.make_bucket_loaders(bucketed, accelerator, train_source, val_source, values,
-                                                          sizes)[0]
+for bucketed in (False, True):  # the recipe's data exactly as its main() builds it
+    cfg = unet.Config(dataset=shapes_dir, batch_size=4, num_workers=2, bucket_by_size=bucketed)
+    data = load_data(cfg, accelerator, *unet.transforms(cfg))
+    # Bucketed loaders are sharded and placed by common/sampler.py; the others go through prepare().
+    train_loader = data.train_loader if bucketed else accelerator.prepare(data.train_loader)
+    loaders["unet bucket_by_size" if bucketed else "unet"] = train_loader
 
 for name, loader in loaders.items():
     for epoch in (1, 2):  # the second epoch: persistent workers, a reshuffled order
@@ -45,5 +43,5 @@ for name, loader in loaders.items():
             torch.cuda.set_sync_debug_mode("default")
         assert all(t.device.type == "cuda" for batch in batches for t in batch), name
     print(f"{name}: {len(batches)} batches, no wait for the GPU", flush=True)
-del loaders, loader, batches
+del loaders, loader, batches, data, train_loader
 close(accelerator)

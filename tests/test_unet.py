@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,8 +15,11 @@ import yaml
 from PIL import Image
 from safetensors import safe_open
 
+from common import segmentation
 from common.config import ConfigError, parse_config
 from common.data import DataError
+from common.schedule import fit_cosine
+from common.segmentation import IGNORE, SegmentationWeights, dice_counts, loss_per_image, open_sources
 from conftest import REPO, assert_ok, compile_config, launch, read_metrics
 from recipe_module import load_recipe
 
@@ -67,9 +71,13 @@ def test_single_process_learns_and_writes_the_output_contract(trained, shapes):
     assert all_background_dice(shapes / "masks") < 0.6  # the best a model that learned nothing does
     assert rows[-1]["dice"] > 0.85, rows  # 0.94 to 0.98 with seeds 0 to 5
     assert yaml.safe_load((out / "config.yaml").read_text())["base_channels"] == 16
+    # num_classes was left at 0: one class per mask value found. The weights file stores it, typed.
+    stored = SegmentationWeights.read(out / "model.safetensors")
+    assert stored.model == {"num_classes": 4, "base_channels": 16, "bilinear": False}
+    assert stored.mask_values == [0, 85, 170, 255] and stored.input_size == [SIZE, SIZE]
+    assert yaml.safe_load((out / "config.yaml").read_text())["num_classes"] == 4
     with safe_open(out / "model.safetensors", "pt") as f:
-        meta, keys = f.metadata(), list(f.keys())
-    assert meta["mask_values"] == "0,85,170,255" and meta["input_size"] == f"{SIZE},{SIZE}"
+        keys = list(f.keys())
     assert "outc.weight" in keys and not any(k.startswith("module.") for k in keys)
     assert "classes: mask values 0,85,170,255" in res.output and f"outputs in {out}/" in res.output
     assert f"; fused AdamW lr {LR:g};" in res.output  # a CPU has the fused kernels (make_optimizer)
@@ -119,7 +127,7 @@ def test_a_resume_with_the_same_plan_leaves_the_cosine_alone_after_skipped_fp16_
     cfg = unet.Config(epochs=2)
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1)
-    unet.fit_cosine(scheduler, cfg, {"epoch": 1, "batches_done": 0, "step": 0}, steps_per_epoch=10)
+    fit_cosine(scheduler, cfg, SimpleNamespace(epoch=1, batches_done=0, step=0), steps_per_epoch=10)
     assert scheduler.T_max == 20 and optimizer.param_groups[0]["lr"] == 1.0
     for step in range(1, 11):
         optimizer.step()
@@ -128,10 +136,11 @@ def test_a_resume_with_the_same_plan_leaves_the_cosine_alone_after_skipped_fp16_
     saved, lr = scheduler.state_dict(), optimizer.param_groups[0]["lr"]
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1)
     scheduler.load_state_dict(saved)
-    unet.fit_cosine(scheduler, cfg, {"epoch": 2, "batches_done": 0, "step": 10}, steps_per_epoch=10)
+    fit_cosine(scheduler, cfg, SimpleNamespace(epoch=2, batches_done=0, step=10), steps_per_epoch=10)
     assert scheduler.T_max == 20 and optimizer.param_groups[0]["lr"] == lr
     # Three epochs instead of two: the curve now ends 20 steps on, where its count will be.
-    unet.fit_cosine(scheduler, unet.Config(epochs=3), {"epoch": 2, "batches_done": 0, "step": 10}, steps_per_epoch=10)
+    fit_cosine(scheduler, unet.Config(epochs=3), SimpleNamespace(epoch=2, batches_done=0, step=10),
+               steps_per_epoch=10)
     assert scheduler.T_max == 8 + 20
     assert optimizer.param_groups[0]["lr"] == pytest.approx((1 + math.cos(math.pi * 8 / 28)) / 2)
 
@@ -189,7 +198,7 @@ def unet():
 def copy_with_a_bad_mask(shapes, unet, root, change):
     """A copy of the data where change() alters the mask that the second process reads first."""
     shutil.copytree(shapes, root)
-    train, val = unet.open_sources(unet.Config(dataset=str(root), val_fraction=VAL_FRACTION))
+    train, val = open_sources(unet.Config(dataset=str(root), val_fraction=VAL_FRACTION))
     bad = (train + val)[1][1]  # scan_masks gives rank r the pairs r, r + 2, ...
     change(Image.open(bad)).save(bad)
     return bad
@@ -228,7 +237,8 @@ def test_a_mask_that_does_not_fit_its_image_stops_every_rank_with_one_line(shape
 
 def test_an_odd_mask_value_found_by_inference_is_named(bad_shapes, tmp_path):
     root, bad = bad_shapes
-    res = launch([RECIPE, "--dataset", root, "--output_dir", tmp_path, "--smoke", *FAST], launcher="python")
+    res = launch([RECIPE, "--dataset", root, "--output_dir", tmp_path, "--smoke", "--num_classes", 4, *FAST],
+                 launcher="python")
     assert res.returncode == 2, res
     (error,) = res.output.strip().splitlines()
     assert "the masks hold 5 values (0,7,85,170,255) where num_classes 4 expects 4" in error
@@ -280,7 +290,7 @@ def test_weights_that_do_not_fit_say_why_in_one_short_line(trained, shapes, tmp_
 def test_bad_settings_are_rejected(unet):
     for args, message in [
         (["--mask_values", "0,x"], "mask_values must be distinct non-negative integers"),
-        (["--mask_values", "0,255"], "mask_values needs one value per class (4 for num_classes 4)"),
+        (["--num_classes", "4", "--mask_values", "0,255"], "mask_values needs one value per class (4 for num_classes 4)"),
         (["--num_classes", "1", "--mask_values", "0,1,2"], "(2 for num_classes 1)"),
         (["--crop_size", "64", "--image_size", "48"], "crop_size cannot exceed image_size"),
         (["--image_size", "20"], "image_size must be 0 or at least 32"),
@@ -295,7 +305,7 @@ def test_bad_settings_are_rejected(unet):
 def test_missing_default_data_says_how_to_make_it(unet, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError, match=re.escape("data/shapes does not exist yet: write it with `make data/shapes`")):
-        unet.open_sources(unet.Config())
+        open_sources(unet.Config())
 
 
 def assert_resume_is_bit_identical(args, out, stop_at, steps):
@@ -365,19 +375,19 @@ def test_without_bucket_by_size_mixed_sizes_say_what_to_set(mixed_shapes, tmp_pa
 
 
 @pytest.mark.parametrize("num_classes", [4, 1])
-def test_padding_changes_neither_the_loss_nor_the_dice_counts(unet, num_classes):
+def test_padding_changes_neither_the_loss_nor_the_dice_counts(num_classes):
     torch.manual_seed(0)
     logits = torch.randn(1, num_classes, 20, 24)
-    target = torch.randint(0, unet.value_count(num_classes), (1, 20, 24))
+    target = torch.randint(0, segmentation.value_count(num_classes), (1, 20, 24))
     other = (torch.zeros(3, 40, 30, dtype=torch.uint8), torch.zeros(40, 30, dtype=torch.int64))
-    x, y = unet.pad_collate([(torch.ones(3, 20, 24, dtype=torch.uint8), target[0]), other])
+    x, y = segmentation.pad_collate([(torch.ones(3, 20, 24, dtype=torch.uint8), target[0]), other])
     assert x.shape == (2, 3, 48, 32) and y.shape == (2, 48, 32)  # the largest size, rounded up to 16
-    assert (y[0, 20:] == unet.IGNORE).all() and (y[0, :, 24:] == unet.IGNORE).all() and (x[0, :, 20:] == 0).all()
+    assert (y[0, 20:] == IGNORE).all() and (y[0, :, 24:] == IGNORE).all() and (x[0, :, 20:] == 0).all()
     padded_logits = 10 * torch.randn(2, num_classes, 48, 32)  # whatever the model says about the padding
     padded_logits[0, :, :20, :24] = logits[0]
-    loss, padded_loss = (unet.loss_per_image(lg, t, num_classes)[0] for lg, t in ((logits, target), (padded_logits, y)))
+    loss, padded_loss = (loss_per_image(lg, t, num_classes)[0] for lg, t in ((logits, target), (padded_logits, y)))
     assert padded_loss.item() == pytest.approx(loss.item(), rel=1e-5)
-    for a, b in zip(unet.dice_counts(logits, target, num_classes), unet.dice_counts(padded_logits, y, num_classes)):
+    for a, b in zip(dice_counts(logits, target, num_classes), dice_counts(padded_logits, y, num_classes)):
         assert torch.equal(a[0], b[0])
 
 
@@ -386,13 +396,15 @@ def test_bucket_by_size_on_two_processes_trains_and_evaluates_every_image_once(m
     res = launch([*args, "--output_dir", tmp_path / "train", "--epochs", 2, "--batch_size", 2, "--num_workers", 2],
                  nproc=2, env=ONE_THREAD)
     assert_ok(res)
-    assert f"validation images of their own sizes, in batches of at most {2 * 96 * 96} padded pixels" in res.output
+    # The start-up line and config.yaml give the pixel budget in use, not "batch 2 per process".
+    assert f"batches of at most {2 * 96 * 96} padded pixels per process" in res.output, res
+    assert "validation images of their own sizes" in res.output and "batch 2 per process" not in res.output
+    assert yaml.safe_load((tmp_path / "train" / "config.yaml").read_text())["max_batch_pixels"] == 2 * 96 * 96
     rows = read_metrics(tmp_path / "train")
     assert [r["eval_samples"] for r in rows] == [N_MIXED_VAL, N_MIXED_VAL] and rows[0]["world_size"] == 2
     # One process, the same weights: the same batches of the same images, so the same Dice.
     weights = tmp_path / "train" / "model.safetensors"
-    with safe_open(weights, "pt") as f:
-        assert f.metadata()["input_size"] == "native"
+    assert SegmentationWeights.read(weights).input_size is None  # predict: each image at its own size
     res = launch([*args, "--output_dir", tmp_path / "eval", "--eval_only", "--weights", weights], launcher="python",
                  env=ONE_THREAD)
     assert_ok(res)
@@ -409,3 +421,68 @@ def test_bucket_by_size_resumes_bit_identically(mixed_shapes, tmp_path):
     args = [RECIPE, "--dataset", mixed_shapes, *FAST, "--bucket_by_size", "true", "--base_channels", 8,
             "--batch_size", 2, "--num_workers", 2, "--epochs", 2]
     assert_resume_is_bit_identical(args, tmp_path, stop_at=7, steps=20)
+
+
+def test_num_classes_comes_from_the_masks_in_the_carvana_layout(shapes, tmp_path):
+    # imgs/ + masks/ whose masks hold 0 and 255, and no --num_classes: two classes, not an error.
+    root = tmp_path / "binary"
+    shutil.copytree(shapes, root)
+    for mask in (root / "masks").glob("*.png"):
+        Image.fromarray(np.where(np.asarray(Image.open(mask)) > 0, 255, 0).astype(np.uint8)).save(mask)
+    res = launch([RECIPE, "--dataset", root, "--output_dir", tmp_path / "out", "--smoke", *FAST],
+                 launcher="python", env=ONE_THREAD)
+    assert_ok(res)
+    assert "classes: mask values 0,255; outputs to" in res.output
+    assert SegmentationWeights.read(tmp_path / "out" / "model.safetensors").model["num_classes"] == 2
+
+
+TINY_SEGMENTER = """
+class TinySegmenter(torch.nn.Module):  # the user's own model: a few convolutions, no U
+    def __init__(self, num_classes, base_channels):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, base_channels, 3, padding=1), torch.nn.BatchNorm2d(base_channels), torch.nn.ReLU(),
+            torch.nn.Conv2d(base_channels, num_classes, 1))
+
+    def forward(self, x):
+        return self.body(x)
+
+"""
+UNET_CHANGED_LINES = 2  # README "Make your own recipe" states this number
+
+
+def changed_lines(original, copy):
+    """How many lines of `original` the copy changed or removed (added lines not counted)."""
+    import difflib
+
+    return sum(line.startswith("- ") for line in difflib.ndiff(original.splitlines(), copy.splitlines()))
+
+
+def test_a_unet_copy_with_its_own_model_trains_on_1_and_2_processes_and_predicts(shapes, tmp_path):
+    original = (REPO / RECIPE).read_text()
+    marker = "# ADAPT: your model: the Config fields that build it"
+    source = original.replace(marker, TINY_SEGMENTER + marker)
+    source = source.replace('MODEL_SETTINGS = ("num_classes", "base_channels", "bilinear")',
+                            'MODEL_SETTINGS = ("num_classes", "base_channels")')
+    source = source.replace("    return UNet(**settings)", "    return TinySegmenter(**settings)")
+    assert changed_lines(original, source) == UNET_CHANGED_LINES
+    copy = REPO / "recipes" / f"my_segmenter_{tmp_path.name[-8:]}.py"
+    copy.write_text(source)
+    try:
+        args = [copy, "--dataset", shapes, *FAST, "--base_channels", 8, "--smoke"]
+        one = launch([*args, "--output_dir", tmp_path / "one"], launcher="python", env=ONE_THREAD)
+        two = launch([*args, "--output_dir", tmp_path / "two"], nproc=2, env=ONE_THREAD)
+        weights = tmp_path / "two" / "model.safetensors"
+        predicted = launch([copy, "--predict", shapes / "imgs" / "shape_0000.png", "--weights", weights,
+                            "--predict_dir", tmp_path / "masks"], launcher="python")
+    finally:
+        copy.unlink()
+    for res, out in ((one, "one"), (two, "two")):
+        assert_ok(res)
+        assert read_metrics(tmp_path / out)[0]["eval_samples"] == N_VAL
+    assert SegmentationWeights.read(weights).model == {"num_classes": 4, "base_channels": 8}
+    with safe_open(weights, "pt") as f:
+        assert {k.split(".")[0] for k in f.keys()} == {"body"}  # the copy's model, not the U-Net
+    assert_ok(predicted)
+    mask = Image.open(tmp_path / "masks" / "shape_0000_mask.png")
+    assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= VALUES

@@ -1,0 +1,486 @@
+"""Segmentation machinery that a U-Net recipe uses as it is: image and mask pairs, mask values,
+loaders (plain or bucketed by size), the Dice counts, the settings stored in a weights file,
+and predict. A recipe keeps what a user adapts: the model, the augmentation and the loss.
+
+    weights = SegmentationWeights.read(cfg.weights) if cfg.weights else None
+    data = load_data(cfg, accelerator, train_transform, val_transform, weights)
+    data.train_loader, data.val_loader, data.values, data.num_classes, data.input_size
+
+Data comes as a folder with imgs/ and masks/ (the Carvana layout: imgs/NAME.jpg with
+masks/NAME.png or masks/NAME_mask.gif), or as anything datasets.load_dataset reads, with an
+image and a mask column. A mask holds one grey level or palette index per class; class i is
+mask value values[i].
+"""
+
+import dataclasses
+import glob
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from accelerate.utils import gather_object
+from PIL import Image
+from safetensors import SafetensorError, safe_open
+from torch.utils.data import DataLoader, Dataset
+from torchvision import tv_tensors
+from torchvision.transforms.v2.functional import pil_to_tensor, resize
+
+from common.checkpoint import load_weights
+from common.config import RunConfig, UserError, require, require_at_least
+from common.data import DataError, load_splits, require_one_batch_per_process
+from common.sampler import bucket_loader
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp"}
+IGNORE = -1  # the class of padded pixels: no loss, no Dice
+PAD_MULTIPLE = 16  # bucketed batches are padded to a multiple of 16: the U-Net halves 4 times
+SHAPES = "data/shapes"  # the U-Net's default data, made by `make data/shapes`
+
+
+@dataclass
+class SegmentationConfig(RunConfig):
+    """The settings that load_data() and predict() read, beside a recipe's own: the layout of
+    the data, the classes, bucketing by size, and predict's files."""
+
+    val_fraction: float = 0.1  # imgs/ + masks/: share held out for validation, fixed for every seed
+    image_column: str = "image"  # datasets data: the column of images
+    mask_column: str = "mask"  # datasets data: the column of masks
+    train_split: str = "train"  # datasets data
+    val_split: str = "validation"  # datasets data
+    mask_values: str = ""  # mask values in class order, e.g. "0,255"; empty: the sorted values found
+    num_classes: int = 0  # with background; 0: one per mask value; 1: a sigmoid, for 2 values
+    # Images of different sizes: train and evaluate each at its own size, in similar-size batches.
+    bucket_by_size: bool = False  # batches padded to their largest image; loss and Dice skip padding
+    max_batch_pixels: int = 0  # bucket_by_size: padded pixels per batch; 0: batch_size x largest
+    # Predict: write masks for new images with `weights`, whose file holds the model settings.
+    predict: Optional[str] = None  # an image file or glob
+    predict_dir: Optional[str] = None  # where the NAME_mask.png go; default output_dir/predictions
+    overlay: bool = False  # also write NAME_overlay.png, the image with the classes painted on
+
+    def validate(self):
+        super().validate()
+        require_at_least(self, 0, "num_classes", "max_batch_pixels")
+        require(0 < self.val_fraction < 1, f"val_fraction must be between 0 and 1, got {self.val_fraction}")
+        if self.mask_values:
+            count = value_count(self.num_classes) if self.num_classes else None
+            given = parse_values(self.mask_values, "--mask_values")
+            require(count in (None, len(given)), f"mask_values needs one value per class ({count} for "
+                                                 f"num_classes {self.num_classes}), got {self.mask_values!r}")
+        require(not self.predict or self.weights, "predict needs weights: add --weights PATH/model.safetensors")
+        require(not (self.predict and self.eval_only), "choose one of predict and eval_only")
+
+
+def parse_values(text, where):
+    """'0,85,170' -> [0, 85, 170]: distinct non-negative integers, or a ConfigError."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    require(values and min(values) >= 0 and len(set(values)) == len(values),
+            f"{where} must be distinct non-negative integers separated by commas, like 0,255; got {text!r}")
+    return values
+
+
+def value_count(num_classes):
+    """How many mask values a model tells apart: a 1-class (sigmoid) model has background and foreground."""
+    return 2 if num_classes == 1 else num_classes
+
+
+def folder_pairs(root):
+    """[(image path, mask path, name)] for imgs/NAME.* with masks/NAME.* or masks/NAME_mask.*, by name."""
+    def files(folder):
+        return {p.stem: p for p in sorted((root / folder).iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES}
+
+    masks, pairs = files("masks"), []
+    for stem, image in files("imgs").items():
+        found = [masks[s] for s in (stem, stem + "_mask") if s in masks]
+        if len(found) != 1:
+            raise DataError(f"{image} has {'two masks' if found else 'no mask'}: expected one of "
+                            f"masks/{stem}.png or masks/{stem}_mask.png (any image type)")
+        pairs.append((image, found[0], str(found[0])))
+    if not pairs:
+        raise DataError(f"{root / 'imgs'} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
+    return pairs
+
+
+class TableRows:
+    """The (image, mask, name) rows of a datasets.Dataset, decoded when read."""
+
+    def __init__(self, ds, cfg, split):
+        self.ds, self.columns, self.where = ds, (cfg.image_column, cfg.mask_column), f"{cfg.dataset} {split}"
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        row = self.ds[i]
+        return row[self.columns[0]], row[self.columns[1]], f"{self.where} row {i}"
+
+
+def open_sources(cfg):
+    """The train and validation sources, from imgs/ + masks/ or from datasets. A source is a
+    sequence of (image, mask, name); the name is for messages."""
+    root = Path(cfg.dataset)
+    if cfg.dataset == SHAPES and not root.exists():
+        raise DataError(f"{root} does not exist yet: write it with `make data/shapes` or python scripts/make_shapes.py")
+    if (root / "imgs").is_dir() and (root / "masks").is_dir():
+        pairs = folder_pairs(root)
+        n_val = int(len(pairs) * cfg.val_fraction)
+        if not 0 < n_val < len(pairs):
+            raise DataError(f"val_fraction {cfg.val_fraction} of {len(pairs)} images leaves none to validate or train")
+        # A fixed generator, as in milesial/Pytorch-UNet: the held-out images do not move with --seed.
+        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(0)).tolist()
+        return [pairs[i] for i in order[n_val:]], [pairs[i] for i in order[:n_val]]
+    splits = load_splits(cfg.dataset, [cfg.train_split, cfg.val_split], [cfg.image_column, cfg.mask_column])
+    return [TableRows(splits[split], cfg, split) for split in (cfg.train_split, cfg.val_split)]
+
+
+def read_pair(image, mask, name):
+    """A PIL image and its mask as an integer array of pixel values (grey levels or palette indices)."""
+    image, mask = (Image.open(p) if isinstance(p, Path) else p for p in (image, mask))
+    if not isinstance(mask, Image.Image):
+        raise DataError(f"{name}: the mask is a {type(mask).__name__}, not an image: check mask_column")
+    values = np.asarray(mask.convert("L") if mask.mode == "1" else mask)
+    if values.ndim == 3:  # a grey mask saved as RGB(A): keep one channel if the others agree
+        if not (values[..., :3] == values[..., :1]).all():
+            raise DataError(f"mask {name} is in colour: save one grey level or palette index per class")
+        values = values[..., 0]
+    if image.size != values.shape[::-1]:
+        raise DataError(f"mask {name} is {values.shape[1]}x{values.shape[0]}, its image {image.width}x{image.height}")
+    return image, values.astype(np.int64)
+
+
+def scan_masks(accelerator, sources):
+    """{mask value: [number of masks holding it, one of them]}, and per source the (height, width)
+    of each image, in order.
+
+    Each process reads its share of the pairs and the results are gathered, so a bad file stops
+    every rank with the same one-line error (never one rank raising while the others wait).
+    """
+    found, sizes, problems = {}, {}, []
+    items = [(s, i) for s, source in enumerate(sources) for i in range(len(source))]
+    for s, i in items[accelerator.process_index :: accelerator.num_processes]:
+        image, mask, name = sources[s][i]
+        try:
+            _, values = read_pair(image, mask, name)
+        except (DataError, OSError, Image.DecompressionBombError) as e:  # OSError: a file PIL cannot read
+            problems.append(str(e))
+            continue
+        sizes[s, i] = values.shape
+        for v in np.unique(values).tolist():
+            found.setdefault(v, [0, name])[0] += 1
+    merged, all_sizes = {}, {}
+    for rank_found, rank_sizes, rank_problems in gather_object([(found, sizes, problems)]):
+        if rank_problems:
+            raise DataError(rank_problems[0])
+        all_sizes.update(rank_sizes)
+        for v, (count, name) in rank_found.items():
+            merged.setdefault(v, [0, name])[0] += count
+    return merged, [[all_sizes[s, i] for i in range(len(source))] for s, source in enumerate(sources)]
+
+
+def classes_and_size(cfg, found, sizes, weights):
+    """(mask values in class order, num_classes, input size (h, w) or None for each its own).
+
+    The values come from --mask_values, else the weights file, else the sorted values found;
+    num_classes from the setting, else the number of values."""
+    text = cfg.mask_values
+    values = parse_values(text, "mask_values") if text else weights.mask_values if weights else sorted(found)
+    unknown = sorted(set(found) - set(values))
+    if unknown:
+        raise DataError(f"mask {found[unknown[0]][1]} has value {unknown[0]}, which is not one of mask_values "
+                        f"{','.join(map(str, values))}: fix the mask, or list the value in --mask_values")
+    if len(values) < 2:
+        raise DataError(f"every mask holds only the value {values[0]}: a model needs a background and "
+                        f"at least one class; check the masks, or set --mask_values")
+    num_classes = cfg.num_classes or len(values)
+    if len(values) != value_count(num_classes) and (text or weights):
+        raise DataError(f"{cfg.weights or '--mask_values'} gives {len(values)} mask values, which does not "
+                        f"fit num_classes {num_classes}: set --num_classes")
+    if len(values) != value_count(num_classes):
+        rare = min(values, key=lambda v: found[v][0])
+        raise DataError(f"the masks hold {len(values)} values ({','.join(map(str, values[:8]))}) where num_classes "
+                        f"{num_classes} expects {value_count(num_classes)}; the rarest, {rare}, is in "
+                        f"{found[rare][0]} mask(s), such as {found[rare][1]}: fix the masks, set --num_classes, or "
+                        f"set --mask_values to the values that are classes")
+    if cfg.image_size:
+        return values, num_classes, (cfg.image_size, cfg.image_size)
+    if cfg.bucket_by_size:
+        return values, num_classes, None  # every image keeps its own size
+    distinct = sorted({size for source_sizes in sizes for size in source_sizes})
+    if len(distinct) > 1:
+        (h1, w1), (h2, w2) = distinct[:2]
+        raise DataError(f"images have different sizes ({w1}x{h1}, {w2}x{h2}): set --image_size to resize them, "
+                        f"or --bucket_by_size true to train on each at its own size")
+    ((h, w),) = distinct
+    if min(w, h) < max(32, cfg.crop_size):
+        raise DataError(f"images are {w}x{h}, smaller than crop_size or the U-Net's 32 pixels: set --image_size")
+    return values, num_classes, (h, w)
+
+
+class SegmentationSet(Dataset):
+    """(uint8 image [3, H, W], int64 class indices [H, W]) after the joint transforms.
+
+    The random transforms of sample i in epoch e draw from a generator seeded with (seed, e, i):
+    the same augmentation whatever the number of workers or processes, and after a resume.
+    The recipe sets `epoch` before each epoch. It lives in shared memory, so persistent
+    DataLoader workers (started once, not every epoch) see the new value too.
+    """
+
+    def __init__(self, source, values, transform, seed):
+        self.source, self.values, self.transform, self.seed = source, values, transform, seed
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    @property
+    def epoch(self):
+        return int(self._epoch)
+
+    @epoch.setter
+    def epoch(self, value):
+        self._epoch.fill_(value)
+
+    def __len__(self):
+        return len(self.source)
+
+    def __getitem__(self, i):
+        image, values = read_pair(*self.source[i])
+        mask = np.zeros(values.shape, np.int64)
+        for c, v in enumerate(self.values):  # scan_masks made sure that no other value occurs
+            mask[values == v] = c
+        image = tv_tensors.Image(pil_to_tensor(image.convert("RGB")))
+        with torch.random.fork_rng(devices=[]):  # leave the global RNG (dropout, init) untouched
+            # The CPU generator only: torch.manual_seed() would also queue a CUDA seeding, which
+            # costs more than reading a small sample (docs/performance.md).
+            torch.default_generator.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + i)
+            image, mask = self.transform(image, tv_tensors.Mask(torch.from_numpy(mask)))
+        return image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor)
+
+
+def padded(n):
+    return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def pad_to(tensor, height, width, value):
+    """[..., h, w] -> [..., height, width], filled with `value` at the bottom and right."""
+    return F.pad(tensor, (0, width - tensor.shape[-1], 0, height - tensor.shape[-2]), value=value)
+
+
+def pad_collate(batch):
+    """(image, mask) pairs of different sizes -> one batch, padded to its largest height and width
+    (rounded up to PAD_MULTIPLE): images with 0, masks with IGNORE."""
+    height, width = (padded(max(mask.shape[d] for _, mask in batch)) for d in (0, 1))
+    return (torch.stack([pad_to(image, height, width, 0) for image, _ in batch]),
+            torch.stack([pad_to(mask, height, width, IGNORE) for _, mask in batch]))
+
+
+@dataclass
+class SegmentationData:
+    train_loader: DataLoader
+    val_loader: DataLoader
+    values: list  # class i is mask value values[i]
+    num_classes: int  # the setting, or the number of mask values
+    input_size: Optional[tuple]  # (height, width) of every model input; None: each image its own
+    max_batch_pixels: int  # bucket_by_size: the padded pixels of a training batch; else 0
+    batch: object  # for common.runtime.describe(): the batch size, or what a bucketed batch holds
+    shapes: str  # the images' size, for the start-up line
+
+    def __str__(self):
+        sigmoid = " (one sigmoid output)" if self.num_classes == 1 else ""
+        return (f"{len(self.train_loader.dataset)} train / {len(self.val_loader.dataset)} validation images of "
+                f"{self.shapes}; classes: mask values {','.join(map(str, self.values))}{sigmoid}")
+
+
+def load_data(cfg, accelerator, train_transform, val_transform, weights=None):
+    """Open the data, check every mask on all processes, and build the training and validation
+    loaders: plain ones for accelerator.prepare() to shard, or with bucket_by_size, bucketed
+    ones that are sharded and on the device already (do not prepare them).
+
+    weights: the SegmentationWeights of --weights, whose mask values are the classes."""
+    train_source, val_source = open_sources(cfg)
+    require_one_batch_per_process(len(train_source), cfg.batch_size, accelerator, "the training data")
+    found, sizes = scan_masks(accelerator, [train_source, val_source])
+    values, num_classes, input_size = classes_and_size(cfg, found, sizes, weights)
+
+    def dataset(source, transform):
+        return SegmentationSet(source, values, transform, cfg.seed)
+
+    if not cfg.bucket_by_size:
+        # Each loader has its own generator, so starting an epoch does not draw from the global
+        # RNG and a resumed run continues with the same random numbers as an uninterrupted one.
+        # Persistent workers: starting them every epoch costs seconds.
+        def loader(source, transform, batch_size, shuffle):
+            return DataLoader(dataset(source, transform), batch_size, shuffle=shuffle,
+                              num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0,
+                              pin_memory=accelerator.device.type == "cuda",
+                              generator=torch.Generator().manual_seed(cfg.seed))
+
+        train = loader(train_source, train_transform, cfg.batch_size, True)
+        val = loader(val_source, val_transform, cfg.eval_batch_size, False)
+        return SegmentationData(train, val, values, num_classes, input_size, 0, cfg.batch_size,
+                                f"{input_size[1]}x{input_size[0]}")
+    # A budget of padded pixels per batch; validation gets eval_batch_size / batch_size times more.
+    train_sizes, val_sizes = ([(padded(h), padded(w)) for h, w in source_sizes] for source_sizes in sizes)
+    budget = cfg.max_batch_pixels or cfg.batch_size * max(h * w for h, w in train_sizes)
+    train = bucket_loader(dataset(train_source, train_transform), train_sizes, budget, accelerator,
+                          train=True, seed=cfg.seed, collate_fn=pad_collate, num_workers=cfg.num_workers)
+    val = bucket_loader(dataset(val_source, val_transform), val_sizes,
+                        max(budget * cfg.eval_batch_size // cfg.batch_size, 1), accelerator, train=False,
+                        collate_fn=pad_collate, num_workers=cfg.num_workers)
+    batch = f"batches of at most {budget} padded pixels per process"
+    return SegmentationData(train, val, values, num_classes, None, budget, batch, "their own sizes")
+
+
+def loss_per_image(logits, target, num_classes):
+    """Cross-entropy (BCE for 1 class) + soft Dice loss over all classes, one value per image, in
+    fp32. Pixels of class IGNORE (batch padding) count in neither."""
+    logits = logits.float()
+    valid = (target != IGNORE).float()
+    pixels = valid.sum((1, 2)).clamp(min=1)
+    target = target.clamp(min=0)
+    if num_classes == 1:
+        logits, target = logits[:, 0], target.float()
+        ce = (F.binary_cross_entropy_with_logits(logits, target, reduction="none") * valid).sum((1, 2)) / pixels
+        probs, onehot = logits.sigmoid()[:, None], target[:, None]
+    else:
+        ce = (F.cross_entropy(logits, target, reduction="none") * valid).sum((1, 2)) / pixels
+        probs, onehot = logits.softmax(1), F.one_hot(target, num_classes).permute(0, 3, 1, 2).float()
+    probs, onehot = probs * valid[:, None], onehot * valid[:, None]
+    inter, total = (probs * onehot).sum((2, 3)), (probs + onehot).sum((2, 3))
+    dice = (2 * inter + 1) / (total + 1)  # +1: a class absent from both scores 1
+    return ce + 1 - dice.mean(1)
+
+
+def predicted_classes(logits, num_classes):
+    """Hard predictions [N, H, W]: argmax, or logit > 0 (sigmoid > 0.5) for one class."""
+    return (logits[:, 0] > 0).long() if num_classes == 1 else logits.argmax(1)
+
+
+def dice_counts(logits, target, num_classes):
+    """Per image and foreground class: |pred & true| and |pred| + |true|, from hard predictions;
+    padded pixels (IGNORE) are in neither."""
+    pred = torch.where(target == IGNORE, 0, predicted_classes(logits, num_classes))
+    classes = torch.arange(1, value_count(num_classes), device=pred.device)[:, None, None]
+    pred, true = pred[:, None] == classes, target[:, None] == classes  # [N, foreground classes, H, W]
+    return (pred & true).sum((2, 3)), pred.sum((2, 3)) + true.sum((2, 3))
+
+
+# Class 0 (and padding) black, then a colour per class, repeating after six.
+COLOURS = torch.tensor([(0, 0, 0), (230, 25, 75), (60, 180, 75), (0, 130, 200), (255, 225, 25), (145, 30, 180),
+                        (70, 240, 240)], dtype=torch.uint8)
+
+
+def paint(classes):
+    """Class indices [..., H, W] -> uint8 colours [..., H, W, 3]."""
+    classes = classes.clamp(min=0)
+    return COLOURS.to(classes.device)[torch.where(classes > 0, (classes - 1) % (len(COLOURS) - 1) + 1, 0)]
+
+
+def image_panel(x, logits, target, num_classes, count=4):
+    """image | prediction | truth of the first `count` images, side by side: floats [N, 3, H, 3W]."""
+    pred = predicted_classes(logits[:count], num_classes)
+    painted = [paint(c).permute(0, 3, 1, 2) for c in (pred, target[:count])]
+    return torch.cat([x[:count], *painted], dim=3).float() / 255
+
+
+@dataclass
+class SegmentationWeights:
+    """What predict needs besides the tensors, stored in the weights file's metadata as one JSON
+    entry, so it reads back typed: the model's settings, the classes and the training size."""
+
+    model: dict  # the Config fields the model is built from, e.g. {"num_classes": 4, "base_channels": 64}
+    mask_values: list  # class i is mask value mask_values[i]
+    input_size: Optional[list]  # [height, width] that the model saw; None: each image at its own size
+
+    KEY = "segmentation"
+
+    def metadata(self, **more):
+        """The safetensors metadata for save_weights(), with `more` entries beside it."""
+        return {self.KEY: json.dumps(dataclasses.asdict(self)), **more}
+
+    @classmethod
+    def read(cls, path):
+        """The settings stored in a weights file; None if it holds none (or is no .safetensors)."""
+        if Path(path).suffix != ".safetensors" or not Path(path).is_file():
+            return None  # load_weights reports a missing file
+        try:
+            with safe_open(path, "pt") as f:
+                stored = (f.metadata() or {}).get(cls.KEY)
+        except SafetensorError as e:
+            raise UserError(f"cannot read weights file {path} ({e}): it is truncated or not a weights file") from None
+        return cls(**json.loads(stored)) if stored else None
+
+
+def fit_to_weights(cfg, weights, names):
+    """cfg with the model settings `names` that `weights` was trained with: num_classes 0 (from
+    the masks) takes the stored value; a setting that differs stops with a line naming it."""
+    if weights is None:
+        return cfg
+    for name in names:
+        stored, given = weights.model.get(name), getattr(cfg, name)
+        if name == "num_classes" and given == 0:
+            cfg = dataclasses.replace(cfg, num_classes=stored)
+        elif stored is not None and stored != given:
+            raise UserError(f"{cfg.weights} was trained with {name} {stored}, not {given}: add --{name} {stored}")
+    return cfg
+
+
+def require_same_classes(state, values, checkpoint):
+    """A checkpoint resumes only on data whose mask values map to the same classes."""
+    if state["mask_values"] != values:
+        raise DataError(f"checkpoint {checkpoint} maps mask values {state['mask_values']}, this data "
+                        f"{values}: set --mask_values to match, or start a new run")
+
+
+def predict(cfg, accelerator, build_model):
+    """A mask PNG per image of the --predict glob, at the image's size, in the training masks'
+    values; --overlay also paints the classes on the image. Each process does a share.
+    build_model(settings) rebuilds the model from the settings stored in the weights file."""
+    weights = SegmentationWeights.read(cfg.weights)
+    if weights is None:
+        raise UserError(f"{cfg.weights} holds no segmentation settings: predict needs weights saved by this recipe")
+    num_classes = weights.model["num_classes"]
+    model = build_model(weights.model)
+    load_weights(model, cfg.weights)
+    model.to(accelerator.device).eval()
+    files = sorted(p for p in glob.glob(cfg.predict) if Path(p).suffix.lower() in IMAGE_SUFFIXES)
+    if not files or len({Path(p).stem for p in files}) < len(files):
+        raise DataError(f"--predict {cfg.predict!r} matches {'two images of one name' if files else 'no image files'}")
+    for path in files:  # every process opens every header, so a bad file stops them all alike
+        try:
+            Image.open(path).close()
+        except OSError as e:
+            raise DataError(f"cannot read image {path}: {e}") from None
+    out = Path(cfg.predict_dir or Path(cfg.output_dir) / "predictions")
+    out.mkdir(parents=True, exist_ok=True)
+    values = weights.mask_values
+    lut = np.array(values, np.uint8 if max(values) < 256 else np.uint16)  # class index -> mask value
+    # The model sees images as in training: resized to input_size, or at their own size
+    # (bucket_by_size), padded like a training batch, one at a time.
+    native = weights.input_size is None
+    batch_size = 1 if native else cfg.eval_batch_size
+    with accelerator.split_between_processes(files) as mine:
+        for start in range(0, len(mine), batch_size):
+            paths = mine[start : start + batch_size]
+            images = [Image.open(p).convert("RGB") for p in paths]
+            if native:
+                x = pad_to(pil_to_tensor(images[0]), padded(images[0].height), padded(images[0].width), 0)[None]
+            else:
+                x = torch.stack([resize(pil_to_tensor(im), weights.input_size, antialias=True) for im in images])
+            with torch.inference_mode(), accelerator.autocast():
+                logits = model(x.to(accelerator.device).float() / 255)
+            for path, image, lg in zip(paths, images, logits):
+                if native:
+                    lg = lg[:, : image.height, : image.width].float()
+                else:
+                    lg = F.interpolate(lg[None].float(), (image.height, image.width), mode="bilinear")[0]
+                classes = predicted_classes(lg[None], num_classes)[0].cpu()
+                Image.fromarray(lut[classes.numpy()]).save(out / f"{Path(path).stem}_mask.png")
+                if cfg.overlay:
+                    rgb = torch.from_numpy(np.asarray(image, np.float32))
+                    rgb = torch.where(classes[..., None] > 0, 0.5 * rgb + 0.5 * paint(classes), rgb)
+                    Image.fromarray(rgb.numpy().astype(np.uint8)).save(out / f"{Path(path).stem}_overlay.png")
+    accelerator.wait_for_everyone()
+    accelerator.print(f"wrote {len(files)} masks (values {','.join(map(str, values))}) to {out}/")
