@@ -27,29 +27,66 @@ import shutil
 from pathlib import Path
 
 import torch
-from accelerate.utils import is_compiled_module
+from accelerate.utils import gather_object, is_compiled_module
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from common.config import UserError
 
 
+# What a full disk, a quota or a lost mount raise while a file is written: safetensors reports
+# an I/O error as SafetensorError, torch.save as RuntimeError ("file write failed").
+WRITE_ERRORS = (OSError, SafetensorError, RuntimeError)
+
+
+def _why(error, folder):
+    """What stopped a write, in a few words. torch.save's error does not say, so when the disk is
+    full at that moment (the partial files still on it), say that."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    try:
+        if shutil.disk_usage(folder).free < 2**20:
+            return "No space left on device"
+    except OSError:
+        pass
+    return str(error).strip().splitlines()[0][:200]
+
+
+def _stop_on_write_error(accelerator, problem, path, root=None, partial=None):
+    """A collective: if writing `path` failed on any rank, the main process removes `partial`
+    (what was written of it), and every rank raises one UserError that names the path and the
+    problem, and where an exact resume can start."""
+    problems = [p for p in gather_object([problem]) if p]
+    if problems:
+        if partial is not None and accelerator.is_main_process:
+            shutil.rmtree(partial, ignore_errors=True) if partial.is_dir() else partial.unlink(missing_ok=True)
+        found = list_checkpoints(root) if root else []
+        last = f"; --resume latest goes on from {found[-1]}" if found else ""
+        raise UserError(f"cannot write {path} ({problems[0]}): free some space, or choose another "
+                        f"--output_dir{last}")
+
+
 def save_weights(accelerator, model, path, metadata=None):
     """Write the unwrapped model's weights from the main process, atomically (temp file + rename).
-    The keys are the plain model's, also when the accelerate config compiles it (dynamo_backend)."""
+    The keys are the plain model's, also when the accelerate config compiles it (dynamo_backend).
+    If the file cannot be written (a full disk), no partial file is left and every rank stops
+    with one line."""
     if is_compiled_module(model):
         # Take torch.compile's wrapper off first. get_state_dict() would call unwrap_model(), which
         # (Accelerate 1.15) re-points the wrapper at the bare model: DDP would drop out of the
         # module tree that training goes on using, and its keys would carry `_orig_mod.`.
         model = model._orig_mod
     state = accelerator.get_state_dict(model)  # collective under FSDP/DeepSpeed: every rank calls it
+    path, problem = Path(path), None
+    tmp = path.with_name(path.name + ".tmp")
     if accelerator.is_main_process:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
         state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
-        save_file(state, tmp, metadata={k: str(v) for k, v in (metadata or {}).items()})
-        os.replace(tmp, path)
-    accelerator.wait_for_everyone()
+        try:
+            save_file(state, tmp, metadata={k: str(v) for k, v in (metadata or {}).items()})
+            os.replace(tmp, path)
+        except WRITE_ERRORS as e:
+            problem = _why(e, path.parent)
+    _stop_on_write_error(accelerator, problem, path, path.parent / "checkpoints", partial=tmp)
 
 
 def _strip_prefix(state, prefix):
@@ -123,7 +160,9 @@ def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
     """Write the full training state as root/step-NNNNNNNN, atomically; keep the newest `keep`.
 
     Every rank must call it (each saves its own RNG state); only the main process renames
-    and deletes, and everyone waits until the checkpoint is complete before going on.
+    and deletes, and everyone waits until the checkpoint is complete before going on. If any
+    rank cannot write its part (a full disk), the unfinished folder is removed, the earlier
+    checkpoints stay as they were, and every rank stops with one line.
     trainer_state.json also records `step` and `world_size`, the process count: a checkpoint
     written mid-epoch resumes only on as many processes.
     """
@@ -134,11 +173,16 @@ def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a run killed while writing
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
-    accelerator.wait_for_everyone()
+    problem = None
+    try:
+        accelerator.save_state(tmp)
+        if accelerator.is_main_process:
+            state = {**trainer_state, "step": step, "world_size": accelerator.num_processes}
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    except WRITE_ERRORS as e:
+        problem = _why(e, root)
+    _stop_on_write_error(accelerator, problem, final, root, partial=tmp)  # and the barrier before the rename
     if accelerator.is_main_process:
-        state = {**trainer_state, "step": step, "world_size": accelerator.num_processes}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         aside = root / f".old-{final.name}"
         if final.exists():  # the same step again (an epoch end that is also a periodic checkpoint)
             shutil.rmtree(aside, ignore_errors=True)

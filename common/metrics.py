@@ -36,13 +36,22 @@ class TrainLoss:
         self.sum.add_(loss.detach(), alpha=n)
         self.samples += n
 
-    def _totals(self, accelerator):
+    def totals(self, accelerator):
+        """(loss sum, samples) over all ranks."""
         count = torch.tensor(float(self.samples), dtype=torch.float64, device=self.sum.device)
         return accelerator.reduce(torch.stack([self.sum, count]), "sum").tolist()
 
+    def carry(self, loss_sum, samples, main_process):
+        """Start from the all-rank totals of an interrupted epoch's first batches: the main
+        process adds them (so the all-rank sum counts them once), and windows start after them."""
+        if main_process:
+            self.sum += loss_sum
+            self.samples += samples
+        self.logged = (loss_sum, float(samples))
+
     def check(self, accelerator, step, checkpoints_dir):
         """Raises UserError on every rank if any rank's loss was nan or inf since the last check."""
-        total, _ = self._totals(accelerator)
+        total, _ = self.totals(accelerator)
         if not math.isfinite(total):
             first = self.finite_until + 1
             where = f"at step {step}" if first >= step else f"between steps {first} and {step}"
@@ -52,13 +61,13 @@ class TrainLoss:
         self.finite_until = step
 
     def window(self, accelerator):
-        total, count = self._totals(accelerator)
+        total, count = self.totals(accelerator)
         mean = (total - self.logged[0]) / max(count - self.logged[1], 1.0)
         self.logged = (total, count)
         return mean
 
     def mean(self, accelerator):
-        total, count = self._totals(accelerator)
+        total, count = self.totals(accelerator)
         return total / max(count, 1.0)
 
 

@@ -24,15 +24,15 @@
         if run.end_epoch(len(train_loader)):           # the epoch was complete
             ...epoch-end checkpoint...
 
-after_batch() on some steps, train_scalars() and epoch_metrics() are collectives: call them on
-every rank, in the same order, as the loop above does. Between those steps after_batch() does
-no host sync: the loss is added up on the device.
+after_batch() on some steps, state() mid-epoch, train_scalars() and epoch_metrics() are
+collectives: call them on every rank, in the same order, as the loop above does. Between those
+steps after_batch() does no host sync: the loss is added up on the device.
 """
 
 from pathlib import Path
 
 from common.metrics import Throughput, TrainLoss, peak_memory_mb
-from common.runtime import stop_requested
+from common.runtime import catch_stop_signals, stop_requested
 
 CHECK_EVERY = 10  # optimizer steps between looks for a nan loss and for Ctrl-C on any rank
 
@@ -48,15 +48,25 @@ class Progress:
         self.epoch, self.batches_done, self.step, self.best = 1, 0, 0, None
         self.stopping = self.interrupted = self.log_due = self.checkpoint_due = False
         self.checkpoints = Path(cfg.output_dir) / "checkpoints"
+        self.carried = (0.0, 0, 0)  # loss sum, samples and skipped steps of a resumed epoch's start
+        catch_stop_signals()  # before any DataLoader worker starts: they inherit the handlers
 
     def state(self):
-        """What a checkpoint stores to continue from here (trainer_state.json)."""
+        """What a checkpoint stores to continue from here (trainer_state.json). Mid-epoch, also the
+        epoch's loss sum and sample count over all ranks (a collective), so that a resumed epoch
+        reports the training loss of all its batches, as an uninterrupted one does."""
+        carried = [0.0, 0, 0]
+        if self.batches_done:
+            loss_sum, samples = self.losses.totals(self.accelerator)
+            carried = [loss_sum, int(samples), self.skipped]
         return {"epoch": self.epoch, "batches_done": self.batches_done, "step": self.step,
-                self.best_key: self.best}
+                self.best_key: self.best, "epoch_so_far": carried}
 
     def load(self, state):
         self.epoch, self.batches_done, self.step = state["epoch"], state["batches_done"], state["step"]
         self.best = state.get(self.best_key)
+        if self.batches_done:
+            self.carried = tuple(state.get("epoch_so_far", (0.0, 0, 0)))
 
     def epochs_left(self):
         """True while there is training to do: not eval_only, neither limit reached, no stop."""
@@ -66,7 +76,10 @@ class Progress:
     def start_epoch(self, batches):
         """Reset the epoch's meters. batches: what the loader yields (the rest, after a resume)."""
         self.losses = TrainLoss(self.accelerator.device, self.step)
-        self.speed, self.window, self.skipped = Throughput(), Throughput(), 0
+        self.speed, self.window = Throughput(), Throughput()
+        loss_sum, samples, self.skipped = self.carried  # a resumed epoch's batches before the stop
+        self.losses.carry(loss_sum, samples, self.accelerator.is_main_process)
+        self.carried = (0.0, 0, 0)
         # Accelerate divides every loss by gradient_accumulation_steps. When that does not divide
         # the epoch's batches, the last group is shorter: its losses weigh more, so that its step
         # too gets the mean gradient of its batches.

@@ -15,10 +15,13 @@
 
 import dataclasses
 import datetime
+import fcntl
 import functools
 import gc
 import os
+import shutil
 import signal
+import socket
 import sys
 import time
 
@@ -27,7 +30,7 @@ from pathlib import Path
 import accelerate.optimizer
 import torch
 from accelerate import Accelerator, PartialState
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, gather_object
 
 from common.checkpoint import choose_checkpoint
 from common.config import UserError, parse_config, save_config
@@ -172,10 +175,52 @@ def make_output_dir(path):
     return path
 
 
+def raise_if_any(accelerator, problem):
+    """A collective: every rank passes its own problem (a message, or None); if any rank has
+    one, every rank raises UserError with the first, so none waits for a rank that stopped."""
+    problems = [p for p in gather_object([problem]) if p]
+    if problems:
+        raise UserError(problems[0])
+
+
+_created = []  # output folders this run created: removed if it stops before it wrote anything
+
+
+def lock_output_dir(accelerator, out):
+    """Hold output_dir/.lock while the run lives, so a second run into the same folder stops at
+    once instead of mixing its checkpoints and metrics with the first. It is an flock: the
+    system releases it when the process ends, also after a crash or a kill."""
+    problem = None
+    if accelerator.is_main_process:
+        lock = open(out / ".lock", "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            owner = lock.read().strip() or "another process"
+            problem = (f"output_dir {out} is in use by a run that is still going ({owner}): wait for it "
+                       f"to end, or choose another --output_dir")
+        else:
+            lock.truncate(0)
+            lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+            lock.flush()
+            _locks.append(lock)  # held open, so held locked, until the process exits
+    raise_if_any(accelerator, problem)
+
+
+_locks = []
+
+
 def open_run(accelerator, cfg):
-    """The output folder, created, and the checkpoint to continue from (None: start afresh).
-    Bad resume input stops here, before any data is read."""
+    """The output folder, created and locked for this run, and the checkpoint to continue from
+    (None: start afresh). Bad resume input stops here, before any data is read."""
+    if cfg.resume == "latest" and not Path(cfg.output_dir).is_dir() and not elastic_restart():
+        raise UserError(f"resume latest: output_dir {cfg.output_dir} does not exist: check --output_dir, or "
+                        f"leave out --resume to start a new run")
+    if not Path(cfg.output_dir).exists() and accelerator.is_main_process:
+        _created.append(Path(cfg.output_dir))
     out = make_output_dir(cfg.output_dir)
+    lock_output_dir(accelerator, out)
     checkpoint = choose_checkpoint(cfg.resume, out / "checkpoints", cfg.eval_only, restarted=elastic_restart())
     if cfg.resume == "latest" and not checkpoint:
         accelerator.print(f"resume latest: no checkpoint in {out / 'checkpoints'} yet, so training starts at step 0")
@@ -195,6 +240,21 @@ def start_logging(accelerator, cfg, name):
 
 def _rank():
     return int(os.environ.get("RANK", "0"))
+
+
+def ignore_stop_signals(worker_id=None):
+    """A DataLoader worker_init_fn. A terminal's Ctrl-C reaches every process of the foreground
+    group, and torchrun stops a worker by signalling its whole process group: DataLoader workers
+    get the signal too. Dead workers would end the run before its checkpoint, so they ignore it
+    and the training process, which polls for it (stop_requested), stops them itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def catch_stop_signals():
+    """From now on Ctrl-C and SIGTERM set the flag that stop_requested() reads. Call it before
+    the DataLoader workers start: a forked worker keeps the handler it was born with."""
+    _stop.install()
 
 
 class _StopRequest:
@@ -260,12 +320,20 @@ def run(main, config_class, argv=None):
     except UserError as e:
         if debug:
             raise
+        message = str(e)
+        if message.startswith("Caught ") and "Original Traceback" in message:
+            # Raised in a DataLoader worker: torch re-raises it with the worker's traceback.
+            message = message.strip().splitlines()[-1].split(": ", 1)[-1]
+        for folder in _created:  # a folder this run made, and left with nothing worth keeping
+            if folder.is_dir() and {p.name for p in folder.iterdir()} <= {".lock", "config.yaml"}:
+                shutil.rmtree(folder, ignore_errors=True)
         if _rank() != 0:
             # Rank 0 usually fails the same way and prints it, and the launcher then stops this
             # process. If rank 0 did not fail (the error is this rank's own), say it after a moment.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(3)
-        print(f"error: {e}" if _rank() == 0 else f"error (rank {_rank()}): {e}", file=sys.stderr, flush=True)
+        print(f"error: {message}" if _rank() == 0 else f"error (rank {_rank()}): {message}", file=sys.stderr,
+              flush=True)
         code = 2
     else:
         code = 130 if _stop.requested else 0  # 128 + SIGINT: stopped early, but cleanly

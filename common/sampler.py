@@ -35,6 +35,8 @@ import numpy as np
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, Sampler
 
+from common.runtime import ignore_stop_signals
+
 
 class BucketBatchSampler(Sampler):
     """Yields lists of dataset indices: batches of similar-size samples whose padded cost fits
@@ -160,6 +162,7 @@ def bucket_loader(dataset, sizes, max_batch_pixels, accelerator, train, seed=0, 
     on_gpu = accelerator.device.type == "cuda"
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers,
                         persistent_workers=num_workers > 0,  # not restarted every epoch
+                        worker_init_fn=ignore_stop_signals,  # Ctrl-C is the training process's to handle
                         pin_memory=on_gpu)  # with non_blocking: the copy to the GPU does not wait for it
     # num_processes=1: the sampler is already this rank's shard; Accelerate must not deal it out again.
     return prepare_data_loader(loader, accelerator.device, num_processes=1, process_index=0,

@@ -32,6 +32,7 @@ from torchvision.transforms.v2.functional import pil_to_tensor, resize
 from common.checkpoint import load_weights
 from common.config import RunConfig, UserError, require, require_at_least
 from common.data import DataError, load_splits, require_one_batch_per_process
+from common.runtime import ignore_stop_signals
 from common.sampler import bucket_loader
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp"}
@@ -314,7 +315,7 @@ def load_data(cfg, accelerator, train_transform, val_transform, weights=None):
         def loader(source, transform, batch_size, shuffle):
             return DataLoader(dataset(source, transform), batch_size, shuffle=shuffle,
                               num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0,
-                              pin_memory=accelerator.device.type == "cuda",
+                              pin_memory=accelerator.device.type == "cuda", worker_init_fn=ignore_stop_signals,
                               generator=torch.Generator().manual_seed(cfg.seed))
 
         train = loader(train_source, train_transform, cfg.batch_size, True)

@@ -30,7 +30,8 @@ from common.data import (
 )
 from common.determinism import set_deterministic
 from common.progress import Progress
-from common.runtime import build_accelerator, close, describe, open_run, run, start_logging, tracker
+from common.runtime import build_accelerator, close, describe, ignore_stop_signals, open_run, run
+from common.runtime import start_logging, tracker
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
 
@@ -109,7 +110,7 @@ def make_loaders(cfg, device="cpu"):
         # Its own generator: starting an epoch leaves the global RNG (dropout) alone, so a resumed
         # run sees the same dropout masks. collate_fn=tuple: TensorBatches returns whole batches.
         return DataLoader(dataset, batch_size, shuffle=shuffle, num_workers=cfg.num_workers,
-                          collate_fn=tuple, pin_memory=pin,
+                          collate_fn=tuple, pin_memory=pin, worker_init_fn=ignore_stop_signals,
                           generator=torch.Generator().manual_seed(cfg.seed))
 
     return loader(train_set, cfg.batch_size, True), loader(test_set, cfg.eval_batch_size, False)

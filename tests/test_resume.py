@@ -44,6 +44,10 @@ def test_stop_and_resume_gives_bit_identical_weights(tiny_mnist, tmp_path):
     res = train(tiny_mnist, split, "--max_steps", 13, "--resume", "latest")
     assert "resumed from" in res.output and "(epoch 1, step 5)" in res.output
     assert_identical(weights(straight), weights(split))
+    # The resumed epoch's train_loss covers all its batches, those before the stop too.
+    (whole,) = [r for r in read_metrics(straight) if r["step"] == 8]
+    (resumed,) = [r for r in read_metrics(split) if r["step"] == 8]
+    assert resumed["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-12, abs=0)
     # The checkpoint written at the end of epoch 1 (step 8) resumes exactly too.
     res = train(tiny_mnist, from_epoch_end, "--max_steps", 13, "--resume", split / "checkpoints" / "step-00000008")
     assert "(epoch 2, step 8)" in res.output
@@ -137,6 +141,7 @@ def test_bad_resume_input_is_one_line_and_deletes_nothing(tiny_mnist, tmp_path):
         (["--output_dir", tmp_path / "empty", "--eval_only", "true", "--resume", "latest"],
          f"eval_only found no checkpoint in {tmp_path / 'empty' / 'checkpoints'}"),
     ]
+    (tmp_path / "empty").mkdir()
     for args, message in cases:
         res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON, *args], launcher="python")
         lines = res.output.strip().splitlines()
