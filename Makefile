@@ -20,14 +20,14 @@ venv: $(BIN)/.installed  ## create .venv from requirements*.txt (done by the oth
 # refuse to mix two runs), so they remove their own output folder first.
 demo: $(BIN)/.installed  ## train MNIST on the shipped 4000-digit sample, then a U-Net on data/shapes, on the CPU
 	rm -rf $(DEMO_OUT)
-	$(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml recipes/mnist.py \
+	$(BIN)/accelerate launch -q --config_file accelerate_configs/cpu.yaml recipes/mnist.py \
 		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)
 	@$(MAKE) --no-print-directory demo-unet
 
 # One thread: on 2 cores, convolutions this small run several times slower with two.
 demo-unet: $(BIN)/.installed data/shapes  ## train a small U-Net on the generated shapes, on the CPU (~25 s)
 	rm -rf $(UNET_DEMO_OUT)
-	$(BIN)/accelerate launch --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \
+	$(BIN)/accelerate launch -q --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \
 		recipes/unet.py --dataset data/shapes --base_channels 16 --lr 3e-3 --epochs 6 --output_dir $(UNET_DEMO_OUT)
 
 data/shapes: scripts/make_shapes.py | $(BIN)/.installed  ## 200 images with exact masks, the U-Net's demo data
