@@ -13,12 +13,22 @@ A recipe declares its settings once, as a dataclass with a comment per field:
 `--config FILE` is applied first, then every `--field value` or `--field=value`,
 whatever their order. Field names are the same in YAML and on the command line.
 Unknown keys, wrong types and missing files raise ConfigError with a one-line
-message; nothing here prints or exits.
+message, with a hint for names known from other scripts (ALIASES) or close to a field's.
+`-h` or `--help` anywhere raises ShowHelp, whose text (help_text) lists every field with
+its type, default and comment, read from the source. Nothing here prints or exits.
 """
 
+import ast
 import dataclasses
+import difflib
+import inspect
+import io
 import math
+import os
+import re
 import sys
+import textwrap
+import tokenize
 import types
 import typing
 from dataclasses import dataclass
@@ -37,6 +47,103 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A setting is unknown, of the wrong type, or out of range."""
+
+
+class ShowHelp(Exception):
+    """`-h` or `--help` was given; str() is the help text (help_text).
+
+    Not a UserError: `common.runtime.run` prints it and exits with status 0.
+    """
+
+
+# Names that users bring from pytorch/examples, the Hugging Face scripts and Trainer, and
+# Lightning -> our field. An unknown name gets "did you mean FIELD?" when the class being
+# parsed has FIELD; other names get difflib's closest field. `_split_argv` has already
+# turned "-" into "_", so --test-batch-size arrives here as test_batch_size.
+ALIASES = {
+    # batch sizes
+    "test_batch_size": "eval_batch_size",
+    "val_batch_size": "eval_batch_size",
+    "valid_batch_size": "eval_batch_size",
+    "per_device_eval_batch_size": "eval_batch_size",
+    "train_batch_size": "batch_size",
+    "per_device_train_batch_size": "batch_size",
+    # length of training
+    "num_train_epochs": "epochs",
+    "num_epochs": "epochs",
+    "n_epochs": "epochs",
+    "max_epochs": "epochs",
+    "max_train_steps": "max_steps",
+    "num_train_steps": "max_steps",
+    "gradient_accumulation": "gradient_accumulation_steps",
+    "accumulate_grad_batches": "gradient_accumulation_steps",
+    # optimizer
+    "learning_rate": "lr",
+    "wd": "weight_decay",
+    "max_grad_norm": "grad_clip",
+    "gradient_clip_val": "grad_clip",
+    "clip_grad_norm": "grad_clip",
+    "lr_scheduler_type": "scheduler",
+    "lr_scheduler": "scheduler",
+    # data
+    "dataset_name": "dataset",
+    "data_dir": "dataset",
+    "image_column_name": "image_column",
+    "label_column_name": "label_column",
+    "workers": "num_workers",
+    "dataloader_num_workers": "num_workers",
+    "classes": "num_classes",
+    "validation": "val_fraction",
+    # logging
+    "log_interval": "log_every",
+    "logging_steps": "log_every",
+    "print_freq": "log_every",
+    "log_freq": "log_every",
+    "report_to": "log_with",
+    "with_tracking": "log_with",
+    # checkpoints, output, modes
+    "save_steps": "checkpoint_every_steps",
+    "checkpointing_steps": "checkpoint_every_steps",
+    "save_total_limit": "keep_checkpoints",
+    "resume_from_checkpoint": "resume",
+    "output": "output_dir",
+    "out_dir": "output_dir",
+    "save_dir": "output_dir",
+    "logging_dir": "output_dir",
+    "load": "weights",
+    "pretrained_weights": "weights",
+    "dry_run": "smoke",
+    "fast_dev_run": "smoke",
+    "evaluate": "eval_only",
+    "ddp_timeout": "dist_timeout_s",
+}
+
+# Names that are no setting here, with what to do instead (the hint, whatever the class).
+_NOT_SETTINGS = {
+    "save_model": "not needed: the weights are always written, as output_dir/model.safetensors",
+    **dict.fromkeys(["fp16", "bf16", "amp", "mixed_precision"],
+                    "precision comes from the accelerate config: accelerate launch --config_file FILE.yaml, "
+                    "or --mixed_precision bf16"),
+    **dict.fromkeys(["no_cuda", "no_accel", "no_mps", "cpu", "use_cpu", "gpu", "gpus", "device", "accel"],
+                    "devices come from the accelerate config: accelerate launch --config_file FILE.yaml, "
+                    "or --cpu for CPU only"),
+    **dict.fromkeys(["world_size", "rank", "local_rank", "dist_url", "dist_backend", "multiprocessing_distributed",
+                     "num_processes", "nproc_per_node"],
+                    "processes come from the launcher: accelerate launch --num_processes N, "
+                    "or torchrun --nproc_per_node N"),
+}
+
+
+def _hint(name, fields):
+    """" (did you mean FIELD?)" or " (what to do instead)" for an unknown `name`, or ""."""
+    key = str(name).replace("-", "_")
+    if key in _NOT_SETTINGS and key not in fields:
+        return f" ({_NOT_SETTINGS[key]})"
+    if ALIASES.get(key) in fields:
+        return f" (did you mean {ALIASES[key]}?)"
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+    close = close or [n for n in fields if n.startswith(key[:3])]
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 _TRUE = {"true", "yes", "1", "on"}
@@ -131,15 +238,19 @@ def read_yaml(path):
 
 
 def parse_config(cls, argv=None):
-    """Build a `cls` instance from its defaults, then `--config FILE`, then `--field value` pairs."""
+    """Build a `cls` instance from its defaults, then `--config FILE`, then `--field value` pairs.
+
+    `-h` or `--help` anywhere in argv raises ShowHelp(help_text(cls)) before any other check.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        raise ShowHelp(help_text(cls))
     fields = {f.name: f for f in dataclasses.fields(cls)}
     pairs = _split_argv(argv)
 
     def check_name(name, source):
         if name not in fields:
-            close = [n for n in fields if n.startswith(name[:3])]
-            hint = f" (did you mean {close[0]}?)" if close else ""
+            hint = _hint(name, fields)
             raise ConfigError(f"unknown setting {name!r} in {source}{hint}; valid settings: {', '.join(fields)}")
 
     values = {}
@@ -169,6 +280,104 @@ def parse_config(cls, argv=None):
     if hasattr(cfg, "validate"):
         cfg.validate()
     return cfg
+
+
+_WIDTH = 110  # help_text wraps longer lines
+
+
+def _class_notes(klass):
+    """From the source of one dataclass: its docstring's first paragraph, and per field declared in
+    its body (field comment, section comment), where the section is the last run of comment lines
+    on lines of their own before the field. Nothing if the source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(klass))
+        node = ast.parse(source).body[0]
+        comments = {}  # line number -> (comment text, alone on its line)
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.COMMENT:
+                comments[tok.start[0]] = (tok.string.lstrip("#").strip(), not tok.line[:tok.start[1]].strip())
+    except (OSError, TypeError, SyntaxError, IndexError, tokenize.TokenError):
+        return "", {}
+    if not isinstance(node, ast.ClassDef):
+        return "", {}
+    doc = (ast.get_docstring(node) or "").split("\n\n")[0]
+    fields, section, previous_end = {}, None, node.lineno
+    for stmt in node.body:
+        start = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
+        above = [comments[n][0] for n in range(previous_end + 1, start) if comments.get(n, ("", False))[1]]
+        if above:
+            section = " ".join(above)
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+            inline = [comments[n][0] for n in range(stmt.lineno, stmt.end_lineno + 1)
+                      if n in comments and not comments[n][1]]
+            fields[stmt.target.id] = (" ".join(inline), section)
+        previous_end = stmt.end_lineno
+    return " ".join(doc.split()), fields
+
+
+def _for_users(comment):
+    """A source comment as help text: the `ADAPT:` notes are for whoever copies the recipe."""
+    return re.sub(r"ADAPT: *(\w)", lambda m: m.group(1).upper(), comment)
+
+
+def _show(value):
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value == "":
+        return '""'
+    return str(value)
+
+
+def _script(cls):
+    """The source file of `cls` as one would type it: relative to the working directory if inside it."""
+    try:
+        inspect.getsourcelines(cls)  # the file defines cls (make_dataclass's classes say module "types")
+        path = os.path.abspath(inspect.getsourcefile(cls))
+    except (OSError, TypeError):
+        return "RECIPE.py"
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
+
+
+def help_text(cls):
+    """What `--help` shows: a usage line, where settings come from, then every field of the
+    dataclass `cls` (inherited ones too) as `  --name TYPE (default: VALUE)  comment`, in the order
+    they are defined, under the section comments of the source. A field declared again in a
+    subclass keeps its place, with the subclass's default and comment."""
+    classes = [k for k in reversed(cls.__mro__) if "__dataclass_fields__" in vars(k)]
+    notes = {k: _class_notes(k) for k in classes}
+    lines = [
+        f"usage: python {_script(cls)} [--config FILE.yaml] [--name value ...]",
+        "Settings: the defaults, then --config YAML, then the command line; machine settings: the accelerate config.",
+        "A BOOL alone (--smoke) means true; none clears a setting whose default is none.",
+    ]
+    shown = None
+    for f in dataclasses.fields(cls):
+        declared = [k for k in classes if f.name in vars(k).get("__annotations__", {})] or [cls]
+        first, last = declared[0], declared[-1]  # where it sits, and whose comment it takes
+        section = notes.get(first, ("", {}))[1].get(f.name, ("", None))[1]
+        if (first, section) != shown:
+            shown = (first, section)
+            heading = section or notes.get(first, ("", {}))[0] or f"{first.__name__}:"
+            lines += ["", *textwrap.wrap(_for_users(heading), _WIDTH, break_on_hyphens=False)]
+        comment = notes.get(last, ("", {}))[1].get(f.name, ("", None))[0]
+        kind, _ = _field_type(cls, f)
+        name = getattr(kind, "__name__", str(kind)).upper()
+        if f.default is not dataclasses.MISSING:
+            default = f"default: {_show(f.default)}"
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f"default: {_show(f.default_factory())}"
+        else:
+            default = "required"
+        head = f"  --{f.name} {name} ({default})"
+        if not comment:
+            lines.append(head)
+        else:
+            lines += textwrap.wrap(_for_users(comment), _WIDTH, initial_indent=f"{head}  ", subsequent_indent=" " * 6,
+                                   break_long_words=False, break_on_hyphens=False)
+    return "\n".join(lines)
 
 
 def require(condition, message):

@@ -1,12 +1,15 @@
 """The config contract: defaults <- --config YAML <- --field value, strictly checked."""
 
+import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import pytest
 
-from common.config import ConfigError, parse_config
+from common.config import ConfigError, ShowHelp, parse_config
 from conftest import launch
+from recipe_module import load_recipe
 
 
 @dataclass
@@ -16,6 +19,33 @@ class Toy:
     name: str = "a"
     smoke: bool = False
     weights: Optional[str] = None
+
+
+@dataclass
+class Base:
+    """How long to run."""
+
+    steps: int = 0  # stop after this many steps (0: no limit)
+    # Checkpoints: the full state, for a resume.
+    keep: int = 3  # delete older ones
+    tag: Optional[str] = None
+
+
+@dataclass
+class Child(Base):
+    # Model.
+    width: int = 8  # channels of the first layer; "#" in a comment is kept
+    keep: int = 5  # how many to keep here
+    name: str = "unet#2"
+
+
+@pytest.fixture(scope="module")
+def mnist():
+    """recipes/mnist.py as a module, registered (load_recipe does not) so that inspect finds its source."""
+    module = load_recipe("mnist")
+    sys.modules[module.__name__] = module
+    yield module
+    del sys.modules[module.__name__]
 
 
 def test_defaults_then_yaml_then_command_line(tmp_path):
@@ -54,6 +84,94 @@ def test_bad_yaml_is_rejected(tmp_path):
     (tmp_path / "typed.yaml").write_text("epochs: '5'\nsmoke: 1.5\n")
     with pytest.raises(ConfigError, match="smoke in .*typed.yaml must be a bool \\(true/false\\), got 1.5"):
         parse_config(Toy, ["--config", str(tmp_path / "typed.yaml")])
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--steps", "x", "--bogus", "-h"], ["--width=2", "--help"]])
+def test_help_lists_every_field_with_its_default_and_comment(argv):
+    with pytest.raises(ShowHelp) as e:
+        parse_config(Child, argv)
+    text = str(e.value)
+    lines = text.splitlines()
+    assert lines[0].startswith("usage: python ")
+    assert lines[0].endswith("tests/test_config.py [--config FILE.yaml] [--name value ...]")
+    assert "--config" in lines[1] and "accelerate config" in lines[1]
+    for f in dataclasses.fields(Child):
+        assert sum(line.startswith(f"  --{f.name} ") for line in lines) == 1, f.name
+    steps = "  --steps INT (default: 0)  stop after this many steps (0: no limit)"
+    keep = "  --keep INT (default: 5)  how many to keep here"
+    width = '  --width INT (default: 8)  channels of the first layer; "#" in a comment is kept'
+    assert steps in lines  # inherited, under the base's docstring
+    assert keep in lines and "delete older ones" not in text  # redeclared: the subclass's
+    assert "  --tag STR (default: none)" in lines  # no comment
+    assert width in lines and "  --name STR (default: unet#2)" in lines
+    # Sections in the order the fields are defined: the base class's, then the subclass's.
+    order = ["How long to run.", steps, "Checkpoints: the full state, for a resume.", keep, "  --tag STR (default: none)",
+             "Model.", width]
+    assert [lines.index(line) for line in order] == sorted(lines.index(line) for line in order)
+
+
+def test_help_without_the_source_still_lists_the_fields():
+    made = dataclasses.make_dataclass("Made", [("n", int, 2), ("tag", Optional[str], None)])
+    with pytest.raises(ShowHelp) as e:
+        parse_config(made, ["--help"])
+    lines = str(e.value).splitlines()
+    assert lines[0] == "usage: python RECIPE.py [--config FILE.yaml] [--name value ...]"
+    assert "  --n INT (default: 2)" in lines and "  --tag STR (default: none)" in lines
+
+
+def test_help_of_the_mnist_recipe(mnist):
+    with pytest.raises(ShowHelp) as e:
+        parse_config(mnist.Config, ["--epochs", "0", "--help"])
+    text = str(e.value)
+    lines = text.splitlines()
+    assert lines[0].startswith("usage: python ")
+    assert lines[0].endswith("recipes/mnist.py [--config FILE.yaml] [--name value ...]")
+    assert "  --dataset STR (default: ylecun/mnist)  hub name or local folder" in lines
+    assert "  --max_steps INT (default: 0)  stop after this many optimizer steps (0: train all epochs)" in lines
+    assert "  --epochs INT (default: 14)" in lines
+    assert "  --lr FLOAT (default: 1.0)  Adadelta learning rate" in lines
+    smoke = "  --smoke BOOL (default: false)  train smoke_steps steps of one epoch, then evaluate: for tests and CI"
+    assert smoke in lines
+    assert "Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume." in lines
+    for f in dataclasses.fields(mnist.Config):
+        assert sum(line.startswith(f"  --{f.name} ") for line in lines) == 1, f.name
+    assert max(len(line) for line in lines[1:]) <= 110, text  # lines[0] holds a path
+
+
+@pytest.mark.parametrize(
+    "argv, name, hint",
+    [
+        (["--test-batch-size", "100"], "test_batch_size", "(did you mean eval_batch_size?);"),
+        (["--log-interval", "10"], "log_interval", "(did you mean log_every?);"),
+        (["--num_train_epochs", "3"], "num_train_epochs", "(did you mean epochs?);"),
+        (["--learning_rate", "0.1"], "learning_rate", "(did you mean lr?);"),
+        (["--dry-run"], "dry_run", "(did you mean smoke?);"),
+        (["--per_device_train_batch_size=8"], "per_device_train_batch_size", "(did you mean batch_size?);"),
+        (["--save-model"], "save_model",
+         "(not needed: the weights are always written, as output_dir/model.safetensors);"),
+        (["--fp16"], "fp16", "(precision comes from the accelerate config: "),
+        (["--batchsize", "8"], "batchsize", "(did you mean batch_size?);"),  # not an alias: difflib
+        (["--eval_batch_sizes", "8"], "eval_batch_sizes", "(did you mean eval_batch_size?);"),
+    ],
+)
+def test_names_from_other_scripts_get_a_hint(mnist, argv, name, hint):
+    with pytest.raises(ConfigError) as e:
+        parse_config(mnist.Config, argv)
+    message = str(e.value)
+    assert message.startswith(f"unknown setting {name!r} in the command line {hint}")
+    assert "); valid settings: " in message
+    assert "\n" not in message
+
+
+def test_an_alias_hints_only_at_a_field_of_the_class(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        parse_config(Toy, ["--test-batch-size", "100"])  # Toy has no eval_batch_size
+    assert str(e.value).startswith("unknown setting 'test_batch_size' in the command line; valid settings: ")
+    with pytest.raises(ConfigError, match=r"unknown setting 'learning_rate' in the command line \(did you mean lr\?\)"):
+        parse_config(Toy, ["--learning-rate", "0.1"])
+    (tmp_path / "hf.yaml").write_text("num_train_epochs: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown setting 'num_train_epochs' in .*hf.yaml \(did you mean epochs\?\)"):
+        parse_config(Toy, ["--config", str(tmp_path / "hf.yaml")])
 
 
 @pytest.mark.parametrize(
