@@ -33,7 +33,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, gather_object
 
 from common.checkpoint import choose_checkpoint
-from common.config import UserError, parse_config, save_config
+from common.config import ShowHelp, UserError, parse_config, save_config
 from common.metrics import MetricsLog
 
 
@@ -317,6 +317,9 @@ def run(main, config_class, argv=None):
     debug = "--debug" in (sys.argv if argv is None else argv)
     try:
         main(parse_config(config_class, argv))
+    except ShowHelp as e:  # --help or -h
+        print(e)
+        code = 0
     except UserError as e:
         if debug:
             raise

@@ -19,5 +19,6 @@ if str(REPO) not in sys.path:
 def load_recipe(name):
     spec = importlib.util.spec_from_file_location(f"{name}_recipe", REPO / "recipes" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # so that inspect finds its source (--help reads the comments)
     spec.loader.exec_module(module)
     return module

@@ -190,3 +190,15 @@ def test_the_recipe_reports_bad_input_in_one_line(args, message, tmp_path):
     assert res.returncode == 2, res
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_every_setting_and_exits_0(flag):
+    res = launch(["recipes/unet.py", flag, "--bogus", "1"], launcher="python")
+    assert res.returncode == 0, res
+    assert res.output.startswith("usage: python recipes/unet.py")
+    for line in ("--max_steps INT (default: 0)  stop after this many optimizer steps",  # RunConfig
+                 "--num_classes INT (default: 0)  with background; 0: one per mask value",  # SegmentationConfig
+                 "--base_channels INT (default: 64)  width of the first level",  # the recipe's own
+                 "--log_every INT (default: 20)"):  # redeclared in the recipe
+        assert line in res.output, res
