@@ -1,4 +1,4 @@
-# Every command in README.md is one of these targets. `make help` lists them.
+# The tasks behind the README: `make help` lists them.
 VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_OUT ?= runs/mnist-demo
@@ -24,7 +24,7 @@ demo: $(BIN)/.installed  ## train MNIST on the shipped 4000-digit sample, then a
 		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)
 	@$(MAKE) --no-print-directory demo-unet
 
-# One thread: on 2 cores, convolutions this small run several times slower with two.
+# One thread: two threads slow convolutions this small down on 2 cores (docs/performance.md).
 demo-unet: $(BIN)/.installed data/shapes  ## train a small U-Net on the generated shapes, on the CPU (~25 s)
 	rm -rf $(UNET_DEMO_OUT)
 	$(BIN)/accelerate launch -q --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \

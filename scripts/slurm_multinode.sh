@@ -15,7 +15,7 @@ set -euo pipefail
 GPUS_PER_NODE=${SLURM_GPUS_PER_NODE:-8}
 MAIN_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MAIN_PORT=${MAIN_PORT:-29500}
-# NCCL: name the network interface if the nodes have several (see README, multi-node).
+# NCCL: name the network interface if the nodes have several (see docs/multinode.md).
 # export NCCL_SOCKET_IFNAME=eth0
 # export NCCL_DEBUG=WARN
 
