@@ -32,7 +32,7 @@ steps after_batch() does no host sync: the loss is added up on the device.
 from pathlib import Path
 
 from common.metrics import Throughput, TrainLoss, peak_memory_mb
-from common.runtime import catch_stop_signals, stop_requested
+from common.runtime import catch_stop_signals, stop_requested, training_started
 
 CHECK_EVERY = 10  # optimizer steps between looks for a nan loss and for Ctrl-C on any rank
 
@@ -49,7 +49,6 @@ class Progress:
         self.stopping = self.interrupted = self.log_due = self.checkpoint_due = False
         self.checkpoints = Path(cfg.output_dir) / "checkpoints"
         self.carried = (0.0, 0, 0)  # loss sum, samples and skipped steps of a resumed epoch's start
-        catch_stop_signals()  # before any DataLoader worker starts: they inherit the handlers
 
     def state(self):
         """What a checkpoint stores to continue from here (trainer_state.json). Mid-epoch, also the
@@ -75,6 +74,8 @@ class Progress:
 
     def start_epoch(self, batches):
         """Reset the epoch's meters. batches: what the loader yields (the rest, after a resume)."""
+        catch_stop_signals()  # before the DataLoader workers start: a forked one keeps the handlers
+        training_started()
         self.losses = TrainLoss(self.accelerator.device, self.step)
         self.speed, self.window = Throughput(), Throughput()
         loss_sum, samples, self.skipped = self.carried  # a resumed epoch's batches before the stop
@@ -104,8 +105,9 @@ class Progress:
             return False
         self.step += 1
         self.skipped += self.accelerator.optimizer_step_was_skipped  # fp16: the scaler skipped it
-        self.interrupted = stop_requested(self.accelerator, self.step, CHECK_EVERY)
-        self.stopping = self.interrupted or self.step >= self.max_steps
+        at_limit = self.step >= self.max_steps  # then look now: a Ctrl-C must not pass for the end
+        self.interrupted = stop_requested(self.accelerator, 0 if at_limit else self.step, CHECK_EVERY)
+        self.stopping = self.interrupted or at_limit
         every = self.cfg.checkpoint_every_steps
         self.checkpoint_due = self.stopping or bool(every and self.step % every == 0)
         if self.checkpoint_due or self.step % CHECK_EVERY == 0:

@@ -15,6 +15,7 @@
 
 import dataclasses
 import datetime
+import errno
 import fcntl
 import functools
 import gc
@@ -183,32 +184,43 @@ def raise_if_any(accelerator, problem):
         raise UserError(problems[0])
 
 
-_created = []  # output folders this run created: removed if it stops before it wrote anything
+_run = {"created": None, "locked": False, "training": False}  # what run() may clean up
 
 
 def lock_output_dir(accelerator, out):
-    """Hold output_dir/.lock while the run lives, so a second run into the same folder stops at
-    once instead of mixing its checkpoints and metrics with the first. It is an flock: the
-    system releases it when the process ends, also after a crash or a kill."""
+    """Hold a lock on output_dir/.lock while the run lives, so a second run into the same
+    folder stops at once instead of mixing its checkpoints and metrics with the first. A POSIX
+    lock: the system releases it when the process ends, also after a crash or a kill, and
+    DataLoader workers forked later do not inherit it."""
     problem = None
     if accelerator.is_main_process:
         lock = open(out / ".lock", "a+")
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            owner = lock.read().strip() or "another process"
-            problem = (f"output_dir {out} is in use by a run that is still going ({owner}): wait for it "
-                       f"to end, or choose another --output_dir")
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):  # a filesystem without locks
+                print(f"warning: cannot lock {out} ({e.strerror}): nothing stops a second run into it",
+                      file=sys.stderr, flush=True)
+            else:
+                lock.seek(0)
+                owner = lock.read().strip() or "another process"
+                problem = (f"output_dir {out} is in use by a run that is still going ({owner}): wait for "
+                           f"it to end, or choose another --output_dir")
         else:
             lock.truncate(0)
             lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
             lock.flush()
             _locks.append(lock)  # held open, so held locked, until the process exits
+            _run["locked"] = True
     raise_if_any(accelerator, problem)
 
 
 _locks = []
+
+
+def training_started():
+    """From here on a failed run keeps its output folder (run() removes one that failed before)."""
+    _run["training"] = True
 
 
 def open_run(accelerator, cfg):
@@ -217,8 +229,12 @@ def open_run(accelerator, cfg):
     if cfg.resume == "latest" and not Path(cfg.output_dir).is_dir() and not elastic_restart():
         raise UserError(f"resume latest: output_dir {cfg.output_dir} does not exist: check --output_dir, or "
                         f"leave out --resume to start a new run")
-    if not Path(cfg.output_dir).exists() and accelerator.is_main_process:
-        _created.append(Path(cfg.output_dir))
+    if accelerator.is_main_process:
+        try:
+            Path(cfg.output_dir).mkdir(parents=True)  # fails if it exists: then it is not ours
+            _run["created"] = Path(cfg.output_dir)
+        except OSError:
+            pass
     out = make_output_dir(cfg.output_dir)
     lock_output_dir(accelerator, out)
     checkpoint = choose_checkpoint(cfg.resume, out / "checkpoints", cfg.eval_only, restarted=elastic_restart())
@@ -327,9 +343,9 @@ def run(main, config_class, argv=None):
         if message.startswith("Caught ") and "Original Traceback" in message:
             # Raised in a DataLoader worker: torch re-raises it with the worker's traceback.
             message = message.strip().splitlines()[-1].split(": ", 1)[-1]
-        for folder in _created:  # a folder this run made, and left with nothing worth keeping
-            if folder.is_dir() and {p.name for p in folder.iterdir()} <= {".lock", "config.yaml"}:
-                shutil.rmtree(folder, ignore_errors=True)
+        folder = _run["created"]
+        if folder and _run["locked"] and not _run["training"]:  # it made the folder and never trained
+            shutil.rmtree(folder, ignore_errors=True)
         if _rank() != 0:
             # Rank 0 usually fails the same way and prints it, and the launcher then stops this
             # process. If rank 0 did not fail (the error is this rank's own), say it after a moment.

@@ -199,14 +199,21 @@ def classes_and_size(cfg, found, sizes, weights):
                         f"at least one class; check the masks, or set --mask_values")
     num_classes = cfg.num_classes or len(values)
     if len(values) != value_count(num_classes) and (text or weights):
-        raise DataError(f"{cfg.weights or '--mask_values'} gives {len(values)} mask values, which does not "
-                        f"fit num_classes {num_classes}: set --num_classes")
+        raise DataError(f"{'--mask_values' if text else cfg.weights} gives {len(values)} mask values, which "
+                        f"does not fit num_classes {num_classes}: set --num_classes")
+    shown, rare = ",".join(map(str, values[:8])), min(values, key=lambda v: found.get(v, [0])[0])
     if len(values) != value_count(num_classes):
-        rare = min(values, key=lambda v: found[v][0])
-        raise DataError(f"the masks hold {len(values)} values ({','.join(map(str, values[:8]))}) where num_classes "
+        raise DataError(f"the masks hold {len(values)} values ({shown}) where num_classes "
                         f"{num_classes} expects {value_count(num_classes)}; the rarest, {rare}, is in "
                         f"{found[rare][0]} mask(s), such as {found[rare][1]}: fix the masks, set --num_classes, or "
                         f"set --mask_values to the values that are classes")
+    masks = sum(len(source_sizes) for source_sizes in sizes)
+    if not (cfg.num_classes or text or weights) and (len(values) > 32 or (found[rare][0] == 1 and masks >= 20)):
+        # Inferred classes: a value in a single mask, or dozens of values (antialiased or JPEG
+        # masks), is more likely a broken mask than a class.
+        raise DataError(f"the masks hold {len(values)} values ({shown}); the rarest, {rare}, is in "
+                        f"{found[rare][0]} of {masks} masks, such as {found[rare][1]}: fix the masks, set "
+                        f"--mask_values to the values that are classes, or --num_classes {len(values)} to keep them all")
     if cfg.image_size:
         return values, num_classes, (cfg.image_size, cfg.image_size)
     if cfg.bucket_by_size:
@@ -408,10 +415,18 @@ class SegmentationWeights:
             return None  # load_weights reports a missing file
         try:
             with safe_open(path, "pt") as f:
-                stored = (f.metadata() or {}).get(cls.KEY)
+                meta = f.metadata() or {}
         except SafetensorError as e:
             raise UserError(f"cannot read weights file {path} ({e}): it is truncated or not a weights file") from None
-        return cls(**json.loads(stored)) if stored else None
+        if cls.KEY in meta:
+            return cls(**json.loads(meta[cls.KEY]))
+        if "mask_values" in meta:  # written before the settings were one entry: strings, one per key
+            size = meta["input_size"]
+            model = {"num_classes": int(meta["num_classes"]), "base_channels": int(meta["base_channels"]),
+                     "bilinear": meta["bilinear"] == "True"}
+            return cls(model, parse_values(meta["mask_values"], "mask_values"),
+                       None if size == "native" else [int(n) for n in size.split(",")])
+        return None
 
 
 def fit_to_weights(cfg, weights, names):

@@ -236,13 +236,37 @@ def test_a_mask_that_does_not_fit_its_image_stops_every_rank_with_one_line(shape
 
 
 def test_an_odd_mask_value_found_by_inference_is_named(bad_shapes, tmp_path):
+    # num_classes left at 0 (one class per value found): a value in a single mask is not a class.
     root, bad = bad_shapes
+    res = launch([RECIPE, "--dataset", root, "--output_dir", tmp_path, "--smoke", *FAST], launcher="python")
+    assert res.returncode == 2, res
+    (error,) = res.output.strip().splitlines()
+    assert f"the masks hold 5 values (0,7,85,170,255); the rarest, 7, is in 1 of {N_IMAGES} masks, such as {bad}" \
+        in error and "or --num_classes 5 to keep them all" in error
+    # With num_classes set, the count must fit it.
     res = launch([RECIPE, "--dataset", root, "--output_dir", tmp_path, "--smoke", "--num_classes", 4, *FAST],
                  launcher="python")
     assert res.returncode == 2, res
     (error,) = res.output.strip().splitlines()
     assert "the masks hold 5 values (0,7,85,170,255) where num_classes 4 expects 4" in error
     assert f"the rarest, 7, is in 1 mask(s), such as {bad}" in error
+
+
+def test_weights_saved_with_one_key_per_setting_still_predict(trained, shapes, tmp_path):
+    # The metadata of weights files written before the settings became one JSON entry.
+    from safetensors.torch import load_file, save_file
+
+    old = tmp_path / "old.safetensors"
+    save_file(load_file(trained[0] / "model.safetensors"), old, metadata={
+        "recipe": "unet", "mask_values": "0,85,170,255", "num_classes": "4", "base_channels": "16",
+        "bilinear": "False", "input_size": f"{SIZE},{SIZE}"})
+    assert SegmentationWeights.read(old) == SegmentationWeights.read(trained[0] / "model.safetensors")
+    res = launch([RECIPE, "--predict", shapes / "imgs" / "shape_0000.png", "--weights", old, "--predict_dir",
+                  tmp_path], launcher="python")
+    assert_ok(res)
+    pred = np.asarray(Image.open(tmp_path / "shape_0000_mask.png"))
+    true = np.asarray(Image.open(shapes / "masks" / "shape_0000_mask.png"))
+    assert (pred == true).mean() > 0.9
 
 
 def test_binary_masks_from_a_datasets_folder(shapes, tmp_path):
