@@ -1,7 +1,9 @@
 """Loading a dataset by hub name or local folder, with one-line errors, and small data helpers.
 
-    splits = load_splits("ylecun/mnist", ["train", "test"], columns=["image", "label"])
+    splits = load_splits("ylecun/mnist", ["train", "test"], columns=["image", "label"],
+                         hint="use --dataset data/mnist_sample")   # said if it cannot be loaded
     splits = load_splits("data/mnist_sample", ["train", "test"], columns=["image", "label"])
+    images = decode_images(splits["train"], "image", "train split")  # PIL images, or a DataError
     labels = class_labels(splits["train"], "label", 10, "train split")   # int64, checked
     require_one_batch_per_process(len(train_set), batch_size, accelerator, "the train split")
     TensorBatches(images, labels)       # a TensorDataset read a whole batch at a time
@@ -10,7 +12,10 @@ A local folder is read by `datasets.load_dataset` itself: parquet files named
 train*/test*, or the imagefolder layout train/<label>/*.png. A hub name is
 downloaded once into the Hugging Face cache. Without internet the cache is used
 if it holds the dataset, and otherwise the run stops at once with a message
-saying how to point `--dataset` at local data (instead of ~25 s of retries).
+saying how to point `--dataset` at local data (instead of ~25 s of retries). A name that
+looks like a path (./x, /x, ~/x, x.parquet, or data/x where data/ exists) is never sent to
+the hub: a mistyped path says that it does not exist. A data file that does not read
+(truncated, not parquet) or an image that does not decode is named in the error.
 """
 
 import os
@@ -19,6 +24,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import TensorDataset
 
 from common.config import UserError
@@ -28,8 +34,24 @@ class DataError(UserError):
     """The data does not match what the recipe needs. One line: the problem and the fix."""
 
 
-def _looks_like_path(name):
-    return name.startswith((".", "/", "~")) or name.endswith((".parquet", ".csv", ".json"))
+DATA_SUFFIXES = (".parquet", ".csv", ".tsv", ".json", ".jsonl", ".arrow")
+# What PIL raises for a file it cannot read: OSError (not an image, truncated, missing), and
+# SyntaxError, ValueError or DecompressionBombError from some broken or huge files.
+IMAGE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+
+
+def looks_like_path(name):
+    """True for a local path, False for a hub name (owner/name, whose owner is no local folder)."""
+    if name.startswith((".", "/", "~")) or name.endswith(DATA_SUFFIXES):
+        return True
+    parent = Path(name).parent
+    return parent != Path(".") and parent.is_dir()  # data/mnist_sampel, where data/ exists
+
+
+def unreadable_image(what, e, kind="image"):
+    """The DataError for an image (file or row `what`) that PIL cannot open or decode (error e)."""
+    reason = "not an image file PIL can read" if isinstance(e, UnidentifiedImageError) else _first_line(e)
+    return DataError(f"cannot read {kind} {what} ({reason}): fix or remove the file")
 
 
 def _hub_reachable(timeout_s=3.0):
@@ -42,13 +64,17 @@ def _hub_reachable(timeout_s=3.0):
         return False
 
 
-def load_splits(name, splits, columns):
-    """Return {split: datasets.Dataset} for `splits`, each with the given `columns`."""
+def load_splits(name, splits, columns, hint=None):
+    """Return {split: datasets.Dataset} for `splits`, each with the given `columns`.
+
+    hint: the local data that works here, for a hub name that cannot be loaded and a path that
+    does not exist, e.g. "use --dataset data/mnist_sample"; by default, parquet files of the
+    splits and columns."""
     local = Path(name).expanduser()
     if local.exists():
         source = str(local)
-    elif _looks_like_path(name):
-        raise DataError(f"dataset path {name} does not exist: check --dataset")
+    elif looks_like_path(name):
+        raise DataError(f"dataset path {name} does not exist: check --dataset" + (f"; {hint}" if hint else ""))
     else:
         source = name
         if not _hub_reachable():
@@ -58,10 +84,13 @@ def load_splits(name, splits, columns):
 
     import datasets
     import huggingface_hub
+    import pyarrow
 
-    datasets.logging.set_verbosity_error()
     huggingface_hub.utils.logging.set_verbosity_error()  # "Repo card metadata block was not found"
     datasets.disable_progress_bars()
+    # Critical only while loading: datasets logs a bad file's error before it raises it, and the
+    # DataError below says it in one line, with the file's name.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         loaded = datasets.load_dataset(source)
     except (ConnectionError, datasets.exceptions.DatasetNotFoundError) as e:
@@ -69,15 +98,26 @@ def load_splits(name, splits, columns):
             raise DataError(f"could not read dataset folder {name}: {e}") from None
         raise DataError(
             f"could not load {name!r}: no folder of that name here, and not from the Hugging Face Hub "
-            f"({type(e).__name__}; no internet?): "
-            f"point --dataset at a local folder that datasets.load_dataset reads, such as parquet files "
-            f"{' and '.join(s + '*.parquet' for s in splits)} with columns {' and '.join(columns)}"
+            f"({type(e).__name__}; no internet?): point --dataset at a local folder"
+            + (f": {hint}" if hint else f" that datasets.load_dataset reads, such as parquet files "
+               f"{' and '.join(s + '*.parquet' for s in splits)} with columns {' and '.join(columns)}")
         ) from None
+    except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException) as e:
+        # A data file that does not read. datasets raises pyarrow's error if it is the first file
+        # (whose schema it reads), else DatasetGenerationError from it; neither names the file.
+        bad = _unreadable_parquet(local) if local.exists() else None
+        if bad:
+            path, reason = bad
+            raise DataError(f"cannot read {path} ({reason}): it is truncated or not a parquet file; "
+                            f"write it again, or remove it from {name}") from None
+        raise DataError(f"could not read dataset {name}: {_first_line(e.__cause__ or e)}") from None
     except (FileNotFoundError, ValueError) as e:  # no data files, unknown format, empty folder
-        first = str(e).splitlines()[0]
+        first = _first_line(e)
         if "corresponds to no data" in first:  # datasets' words for a split with no rows
             raise DataError(f"dataset {name} has an empty split ({first}): add samples to it") from None
         raise DataError(f"could not read dataset {name}: {first}") from None
+    finally:
+        datasets.logging.set_verbosity_error()
 
     out = {}
     for split in splits:
@@ -97,6 +137,56 @@ def load_splits(name, splits, columns):
             raise DataError(f"dataset {name} split {split!r} is empty")
         out[split] = ds
     return out
+
+
+def _first_line(e):
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _unreadable_parquet(local):
+    """(path, reason) of the first parquet file in `local` (a file or folder) that pyarrow
+    cannot read, or None. Footers first, which is quick; then, only if they all read, the
+    row groups one at a time, for a file damaged inside."""
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    files = [local] if local.is_file() else sorted(local.rglob("*.parquet"))
+    for whole in (False, True):
+        for path in files:
+            try:
+                file = pq.ParquetFile(path)
+                for i in range(file.num_row_groups if whole else 0):
+                    file.read_row_group(i)
+            except (pyarrow.ArrowException, OSError) as e:
+                return path, _first_line(e).split(". ")[0]  # not its "Either the file is corrupted..."
+    return None
+
+
+def decode_images(split, column, where):
+    """The images of a datasets Image column as a list of PIL images, each decoded once, or a
+    DataError naming the first that does not decode: its file, else its row.
+
+    datasets would decode them too, but its error (from PIL, deep in a traceback) names no row
+    of a parquet file. The column is read undecoded and decoded here the way datasets does it.
+    """
+    import datasets
+
+    feature = split.features[column]
+    if not isinstance(feature, datasets.Image):
+        raise DataError(f"{where}'s column {column!r} holds {feature}, not images: check the image column")
+    raw = split.select_columns([column]).cast_column(column, datasets.Image(decode=False))[column]
+    decode = datasets.Image(mode=feature.mode).decode_example
+    images = []
+    for i, value in enumerate(raw):
+        if value is None:
+            raise DataError(f"{where}: row {i} holds no image: fix or remove the row")
+        try:
+            images.append(decode(value))
+        except IMAGE_ERRORS as e:
+            path, data = value.get("path"), value.get("bytes")
+            what = path if data is None and path else f"row {i}" + (f" ({path})" if path else "")
+            raise DataError(f"{where}: {unreadable_image(what, e)}") from None
+    return images
 
 
 def require_one_batch_per_process(samples, batch_size, accelerator, what):

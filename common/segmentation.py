@@ -31,7 +31,7 @@ from torchvision.transforms.v2.functional import pil_to_tensor, resize
 
 from common.checkpoint import load_weights
 from common.config import RunConfig, UserError, require, require_at_least
-from common.data import DataError, load_splits, require_one_batch_per_process
+from common.data import IMAGE_ERRORS, DataError, load_splits, require_one_batch_per_process, unreadable_image
 from common.runtime import ignore_stop_signals
 from common.sampler import bucket_loader
 
@@ -117,7 +117,10 @@ class TableRows:
         return len(self.ds)
 
     def __getitem__(self, i):
-        row = self.ds[i]
+        try:
+            row = self.ds[i]  # decodes the image and the mask
+        except IMAGE_ERRORS as e:
+            raise unreadable_image(f"{self.where} row {i}", e, "image or mask") from None
         return row[self.columns[0]], row[self.columns[1]], f"{self.where} row {i}"
 
 
@@ -127,7 +130,9 @@ def open_sources(cfg):
     root = Path(cfg.dataset)
     if cfg.dataset == SHAPES and not root.exists():
         raise DataError(f"{root} does not exist yet: write it with `make data/shapes` or python scripts/make_shapes.py")
-    if (root / "imgs").is_dir() and (root / "masks").is_dir():
+    if (root / "imgs").is_dir() and not (root / "masks").is_dir():
+        raise DataError(f"{root} has imgs/ but no masks/: add masks/NAME.png or masks/NAME_mask.* for each imgs/NAME.*")
+    if (root / "imgs").is_dir():
         pairs = folder_pairs(root)
         n_val = int(len(pairs) * cfg.val_fraction)
         if not 0 < n_val < len(pairs):
@@ -135,16 +140,34 @@ def open_sources(cfg):
         # A fixed generator, as in milesial/Pytorch-UNet: the held-out images do not move with --seed.
         order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(0)).tolist()
         return [pairs[i] for i in order[n_val:]], [pairs[i] for i in order[:n_val]]
-    splits = load_splits(cfg.dataset, [cfg.train_split, cfg.val_split], [cfg.image_column, cfg.mask_column])
+    hint = (f"use a folder with imgs/ and masks/ (masks/NAME.png or masks/NAME_mask.* for each imgs/NAME.*), "
+            f"or parquet files {cfg.train_split}*.parquet and {cfg.val_split}*.parquet with columns "
+            f"{cfg.image_column} and {cfg.mask_column}")
+    splits = load_splits(cfg.dataset, [cfg.train_split, cfg.val_split], [cfg.image_column, cfg.mask_column], hint)
     return [TableRows(splits[split], cfg, split) for split in (cfg.train_split, cfg.val_split)]
 
 
+def open_image(path, kind="image"):
+    """Image.open(path): the header is read, the pixels when first used. A DataError naming the
+    file if PIL cannot open it."""
+    try:
+        return Image.open(path)
+    except IMAGE_ERRORS as e:
+        raise unreadable_image(path, e, kind) from None
+
+
 def read_pair(image, mask, name):
-    """A PIL image and its mask as an integer array of pixel values (grey levels or palette indices)."""
-    image, mask = (Image.open(p) if isinstance(p, Path) else p for p in (image, mask))
+    """A PIL image and its mask as an integer array of pixel values (grey levels or palette indices).
+
+    Files are opened, and the mask decoded: a file PIL cannot read stops with a DataError naming
+    it. The image's pixels are decoded when used (SegmentationSet), so a scan reads only its header."""
+    image, mask = (open_image(p, kind) if isinstance(p, Path) else p for p, kind in ((image, "image"), (mask, "mask")))
     if not isinstance(mask, Image.Image):
         raise DataError(f"{name}: the mask is a {type(mask).__name__}, not an image: check mask_column")
-    values = np.asarray(mask.convert("L") if mask.mode == "1" else mask)
+    try:
+        values = np.asarray(mask.convert("L") if mask.mode == "1" else mask)
+    except IMAGE_ERRORS as e:  # a truncated or broken mask file
+        raise unreadable_image(name, e, "mask") from None
     if values.ndim == 3:  # a grey mask saved as RGB(A): keep one channel if the others agree
         if not (values[..., :3] == values[..., :1]).all():
             raise DataError(f"mask {name} is in colour: save one grey level or palette index per class")
@@ -164,8 +187,8 @@ def scan_masks(accelerator, sources):
     found, sizes, problems = {}, {}, []
     items = [(s, i) for s, source in enumerate(sources) for i in range(len(source))]
     for s, i in items[accelerator.process_index :: accelerator.num_processes]:
-        image, mask, name = sources[s][i]
         try:
+            image, mask, name = sources[s][i]
             _, values = read_pair(image, mask, name)
         except (DataError, OSError, Image.DecompressionBombError) as e:  # OSError: a file PIL cannot read
             problems.append(str(e))
@@ -254,11 +277,16 @@ class SegmentationSet(Dataset):
         return len(self.source)
 
     def __getitem__(self, i):
-        image, values = read_pair(*self.source[i])
+        path, mask, name = self.source[i]  # a table row is decoded here, once
+        image, values = read_pair(path, mask, name)
+        try:
+            image = image.convert("RGB")  # decodes an image file: scan_masks read only its header
+        except IMAGE_ERRORS as e:  # such as a truncated file
+            raise unreadable_image(path if isinstance(path, Path) else name, e) from None
         mask = np.zeros(values.shape, np.int64)
         for c, v in enumerate(self.values):  # scan_masks made sure that no other value occurs
             mask[values == v] = c
-        image = tv_tensors.Image(pil_to_tensor(image.convert("RGB")))
+        image = tv_tensors.Image(pil_to_tensor(image))
         with torch.random.fork_rng(devices=[]):  # leave the global RNG (dropout, init) untouched
             # The CPU generator only: torch.manual_seed() would also queue a CUDA seeding, which
             # costs more than reading a small sample (docs/performance.md).

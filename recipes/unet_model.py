@@ -26,7 +26,8 @@ class Up(nn.Module):
 
     def forward(self, x, skip):
         x = self.up(x)
-        dy, dx = skip.shape[2] - x.shape[2], skip.shape[3] - x.shape[3]  # an odd size lost a pixel going down
+        # An odd size lost a pixel going down: pad back to the skip's size.
+        dy, dx = skip.shape[2] - x.shape[2], skip.shape[3] - x.shape[3]
         x = F.pad(x, [dx // 2, dx - dx // 2, dy // 2, dy - dy // 2])
         return self.conv(torch.cat([skip, x], 1))
 
@@ -38,9 +39,12 @@ class UNet(nn.Module):
         f = 2 if bilinear else 1
         self.inc = double_conv(in_channels, c[0])
         self.downs = nn.ModuleList(
-            nn.Sequential(nn.MaxPool2d(2), double_conv(c[i], c[i + 1] // (f if i == 3 else 1))) for i in range(4)
+            nn.Sequential(nn.MaxPool2d(2), double_conv(c[i], c[i + 1] // (f if i == 3 else 1)))
+            for i in range(4)
         )
-        self.ups = nn.ModuleList(Up(c[i], c[i - 1] // (f if i > 1 else 1), bilinear) for i in (4, 3, 2, 1))
+        self.ups = nn.ModuleList(
+            Up(c[i], c[i - 1] // (f if i > 1 else 1), bilinear) for i in (4, 3, 2, 1)
+        )
         self.outc = nn.Conv2d(c[0], num_classes, 1)
 
     def forward(self, x):

@@ -67,6 +67,13 @@ def launch(script_args, nproc=1, launcher="accelerate", config=None, env=None, t
     return Result(proc, out)
 
 
+def make_shapes(root, count, size):
+    """scripts/make_shapes.py into root: count images of size x size with exact masks."""
+    subprocess.run([sys.executable, REPO / "scripts" / "make_shapes.py", "--out", root, "--count", str(count),
+                    "--size", str(size)], check=True, capture_output=True)
+    return root
+
+
 def compile_config(tmp_path, base="2gpu.yaml"):
     """A copy of accelerate_configs/<base> that turns torch.compile on, as a user would."""
     path = Path(tmp_path) / f"compile-{base}"

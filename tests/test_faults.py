@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import BIN, REPO, assert_ok, free_port, launch, read_metrics
+from conftest import make_shapes, BIN, REPO, assert_ok, free_port, launch, read_metrics
 
 UNET_ARGS = ["--base_channels", 8, "--lr", 3e-3, "--val_fraction", 0.2, "--eval_batch_size", 4,
              "--batch_size", 8, "--num_workers", 2, "--epochs", 40]
@@ -27,10 +27,7 @@ MNIST_ARGS = ["--batch_size", 32, "--eval_batch_size", 512, "--num_workers", 2, 
 
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shapes")
-    subprocess.run([sys.executable, REPO / "scripts" / "make_shapes.py", "--out", root, "--count", "73",
-                    "--size", "48"], check=True, capture_output=True)
-    return root
+    return make_shapes(tmp_path_factory.mktemp("shapes"), 73, 48)
 
 
 def command(launcher, nproc, args):

@@ -1,23 +1,18 @@
 """What only a GPU can show; skipped on a machine without one."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
 
-from conftest import REPO, assert_ok, launch
+from conftest import make_shapes, REPO, assert_ok, launch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shapes")
-    subprocess.run([sys.executable, REPO / "scripts" / "make_shapes.py", "--out", root, "--count", "24",
-                    "--size", "48"], check=True, capture_output=True)
-    return root
+    return make_shapes(tmp_path_factory.mktemp("shapes"), 24, 48)
 
 
 def test_fetching_a_training_batch_never_waits_for_the_gpu(tiny_mnist, shapes):
