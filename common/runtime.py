@@ -260,11 +260,12 @@ def _rank():
 
 def ignore_stop_signals(worker_id=None):
     """A DataLoader worker_init_fn. A terminal's Ctrl-C reaches every process of the foreground
-    group, and torchrun stops a worker by signalling its whole process group: DataLoader workers
-    get the signal too. Dead workers would end the run before its checkpoint, so they ignore it
-    and the training process, which polls for it (stop_requested), stops them itself."""
+    group, and torchrun stops a rank by signalling its whole process group: DataLoader workers
+    would get the signal too and die, ending the run before its checkpoint. So a worker leaves
+    the group: stop signals go to the training process, which polls for them (stop_requested),
+    checkpoints and then stops its workers itself. A worker still exits when its parent does."""
+    os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def catch_stop_signals():
