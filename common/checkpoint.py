@@ -237,13 +237,15 @@ def choose_checkpoint(resume, root, eval_only=False, restarted=False):
     return path
 
 
-def load_checkpoint(accelerator, path, recipe, data_order=None):
+def load_checkpoint(accelerator, path, recipe, data_order=None, same=None):
     """Restore what save_checkpoint wrote into the prepared objects; return trainer_state.
 
     data_order: {setting: value} of the settings that decide which batches each rank gets,
     such as batch_size and seed, as the recipe stored them in trainer_state. A checkpoint
     written mid-epoch resumes only with the same values and process count: with others, the
     batches skipped at resume would not be the ones already trained on.
+    same: {setting: value} that any checkpoint resumes only with, such as ema_decay (which
+    decides what the checkpoint holds); a setting missing from trainer_state counts as 0.
     """
     path = Path(path)
     state_file = path / "trainer_state.json"
@@ -267,6 +269,10 @@ def load_checkpoint(accelerator, path, recipe, data_order=None):
                     f"checkpoint {path} was written mid-epoch with {name} {state[name]}, not {value}: resume it "
                     f"with --{name} {state[name]}, or from a checkpoint written at the end of an epoch"
                 )
+    for name, value in (same or {}).items():
+        if state.get(name, 0) != value:
+            raise UserError(f"checkpoint {path} was written with {name} {state.get(name, 0)}, not {value}: "
+                            f"resume it with --{name} {state.get(name, 0)}, or start a new run")
     try:
         accelerator.load_state(path)  # tensors via safetensors / torch.load(weights_only=True)
     except (RuntimeError, OSError, ValueError, KeyError, SafetensorError, EOFError, pickle.UnpicklingError) as e:

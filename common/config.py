@@ -406,6 +406,8 @@ class RunConfig:
     scale_lr: bool = False  # multiply lr by processes x accumulation steps (linear scaling rule)
     deterministic: bool = False  # bit-repeatable GPU runs, slower (common/determinism.py)
     max_steps: int = 0  # stop after this many optimizer steps (0: train all epochs)
+    ema_decay: float = 0.0  # also keep a moving average of the weights, e.g. 0.999; 0: off
+    early_stop_patience: int = 0  # stop after this many evaluations without a better metric; 0: off
     # Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume.
     checkpoint_every_steps: int = 0  # also write one every N optimizer steps (0: only at epoch ends)
     keep_checkpoints: int = 3  # delete older ones
@@ -425,7 +427,8 @@ class RunConfig:
         """The checks every recipe needs; a recipe's validate() calls this, then adds its own."""
         require_at_least(self, 1, "epochs", "batch_size", "eval_batch_size", "gradient_accumulation_steps",
                          "smoke_steps", "log_every", "keep_checkpoints")
-        require_at_least(self, 0, "num_workers", "max_steps", "checkpoint_every_steps")
+        require_at_least(self, 0, "num_workers", "max_steps", "checkpoint_every_steps", "early_stop_patience")
+        require(0 <= self.ema_decay < 1, f"ema_decay must be in [0, 1), such as 0.999, got {self.ema_decay}")
         require(self.lr > 0, f"lr must be positive, got {self.lr}")
         require(not (self.weights and self.resume), "weights and resume both load a model: pass one of them")
         require(not self.eval_only or self.weights or self.resume,

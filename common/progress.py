@@ -31,6 +31,9 @@ steps after_batch() does no host sync: the loss is added up on the device.
 
 from pathlib import Path
 
+import torch
+from accelerate.utils import broadcast
+
 from common.metrics import Throughput, TrainLoss, peak_memory_mb
 from common.runtime import catch_stop_signals, stop_requested, training_started
 
@@ -38,14 +41,17 @@ CHECK_EVERY = 10  # optimizer steps between looks for a nan loss and for Ctrl-C 
 
 
 class Progress:
-    """Epoch, batches done in it, optimizer steps and the best metric, and per epoch the
-    training loss, throughput, skipped fp16 steps and the short last accumulation group."""
+    """Epoch, batches done in it, optimizer steps, the best metric and the evaluations since,
+    and per epoch the training loss, throughput, skipped fp16 steps and the short last
+    accumulation group. metric: the name of the evaluation result that `best` and early
+    stopping (cfg.early_stop_patience) follow, higher is better."""
 
     def __init__(self, accelerator, cfg, metric):
-        self.accelerator, self.cfg = accelerator, cfg
+        self.accelerator, self.cfg, self.metric = accelerator, cfg, metric
         self.epochs, self.max_steps = cfg.limits()
         self.best_key = f"best_{metric}"
         self.epoch, self.batches_done, self.step, self.best = 1, 0, 0, None
+        self.evals_since_best = 0
         self.stopping = self.interrupted = self.log_due = self.checkpoint_due = False
         self.checkpoints = Path(cfg.output_dir) / "checkpoints"
         self.carried = (0.0, 0, 0)  # loss sum, samples and skipped steps of a resumed epoch's start
@@ -59,18 +65,21 @@ class Progress:
             loss_sum, samples = self.losses.totals(self.accelerator)
             carried = [loss_sum, int(samples), self.skipped]
         return {"epoch": self.epoch, "batches_done": self.batches_done, "step": self.step,
-                self.best_key: self.best, "epoch_so_far": carried}
+                self.best_key: self.best, "evals_since_best": self.evals_since_best,
+                "epoch_so_far": carried}
 
     def load(self, state):
         self.epoch, self.batches_done, self.step = state["epoch"], state["batches_done"], state["step"]
         self.best = state.get(self.best_key)
+        self.evals_since_best = state.get("evals_since_best", 0)
         if self.batches_done:
             self.carried = tuple(state.get("epoch_so_far", (0.0, 0, 0)))
 
     def epochs_left(self):
-        """True while there is training to do: not eval_only, neither limit reached, no stop."""
+        """True while there is training to do: not eval_only, neither limit reached, no stop,
+        patience left."""
         return (not self.cfg.eval_only and self.epoch <= self.epochs and self.step < self.max_steps
-                and not self.interrupted)
+                and not self.interrupted and not self.out_of_patience)
 
     def start_epoch(self, batches):
         """Reset the epoch's meters. batches: what the loader yields (the rest, after a resume)."""
@@ -139,9 +148,20 @@ class Progress:
         self.epoch, self.batches_done = self.epoch + 1, 0
         return True
 
-    def improved(self, value):
-        """True, and remembered, if `value` is the best metric so far (higher is better)."""
+    def improved(self, result):
+        """True, and remembered, if result[metric] is the best so far (higher is better); else one
+        more evaluation without improvement. Every rank takes rank 0's value (a collective), so
+        all decide alike whether to write best weights and whether to stop early."""
+        value = torch.tensor([result[self.metric]], dtype=torch.float64, device=self.accelerator.device)
+        value = broadcast(value).item()
         if self.best is not None and value <= self.best:
+            self.evals_since_best += 1
             return False
-        self.best = value
+        self.best, self.evals_since_best = value, 0
         return True
+
+    @property
+    def out_of_patience(self):
+        """early_stop_patience evaluations in a row without a better metric."""
+        patience = self.cfg.early_stop_patience
+        return bool(patience) and self.evals_since_best >= patience

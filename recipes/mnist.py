@@ -28,6 +28,7 @@ from common.config import RunConfig, UserError
 from common.data import DataError, TensorBatches, class_labels, decode_images, load_splits
 from common.data import require_one_batch_per_process
 from common.determinism import set_deterministic
+from common.ema import EMA
 from common.progress import Progress
 from common.runtime import build_accelerator, close, describe, ignore_stop_signals, open_run, run
 from common.runtime import start_logging, tracker
@@ -122,12 +123,12 @@ DATA_ORDER = ("dataset", "train_split", "seed", "batch_size", "gradient_accumula
 
 def save(accelerator, cfg, progress, scheduler):
     """A checkpoint: Accelerate's state, the position in the data and the LR schedule."""
-    state = {"recipe": NAME, **{k: getattr(cfg, k) for k in DATA_ORDER}, **progress.state(),
-             "scheduler": scheduler.state_dict()}
+    state = {"recipe": NAME, **{k: getattr(cfg, k) for k in (*DATA_ORDER, "ema_decay")},
+             **progress.state(), "scheduler": scheduler.state_dict()}
     save_checkpoint(accelerator, progress.checkpoints, progress.step, state, cfg.keep_checkpoints)
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress):
+def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress, ema):
     """One pass over this process's shard (its rest after a resume); `progress` keeps count."""
     model.train()
     progress.start_epoch(len(loader))
@@ -140,6 +141,8 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
             optimizer.zero_grad()
         if not progress.after_batch(loss, len(y)):  # still accumulating
             continue
+        if ema is not None:  # the moving average of the weights, once per optimizer step
+            ema.update()
         if progress.log_due:
             accelerator.log(progress.train_scalars(optimizer), step=progress.step)
         if progress.checkpoint_due:  # every checkpoint_every_steps, and before stopping
@@ -167,6 +170,15 @@ def evaluate(model, loader, accelerator):
             "eval_samples": int(samples)}
 
 
+def evaluate_with_ema(model, ema, loader, accelerator):
+    """evaluate() the model and, with ema_decay, its moving average (ema_accuracy, ...)."""
+    result = evaluate(model, loader, accelerator)
+    if ema is not None:
+        averaged = evaluate(ema.synced(accelerator), loader, accelerator)
+        result.update({f"ema_{k}": v for k, v in averaged.items()})
+    return result
+
+
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s,
@@ -191,15 +203,20 @@ def main(cfg):
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=cfg.gamma)
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader)
+    ema = None
+    if cfg.ema_decay:  # a moving average of the unwrapped model's weights, in every checkpoint
+        ema = EMA(accelerator.unwrap_model(model, keep_torch_compile=False), cfg.ema_decay)
+        accelerator.register_for_checkpointing(ema)
     sizes = f"{len(train_loader.dataset)} train / {len(test_loader.dataset)} test samples"
     accelerator.print(f"{NAME}: {describe(accelerator, cfg.batch_size)}; lr {lr:g}; {sizes}; "
                       f"outputs to {out}/")
 
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
-    progress = Progress(accelerator, cfg, metric="accuracy")
+    # `best` and early stopping follow the average's accuracy when there is one.
+    progress = Progress(accelerator, cfg, metric="ema_accuracy" if ema else "accuracy")
     if checkpoint:  # eval_only reads any checkpoint; training on needs the same data order
         order = None if cfg.eval_only else {k: getattr(cfg, k) for k in DATA_ORDER}
-        state = load_checkpoint(accelerator, checkpoint, NAME, order)
+        state = load_checkpoint(accelerator, checkpoint, NAME, order, {"ema_decay": cfg.ema_decay})
         scheduler.load_state_dict(state["scheduler"])
         progress.load(state)
 
@@ -211,14 +228,15 @@ def main(cfg):
         loader = train_loader
         if progress.batches_done:  # resumed mid-epoch: skip what this epoch already trained on
             loader = accelerator.skip_first_batches(train_loader, progress.batches_done)
-        train = train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress)
+        train = train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress,
+                                ema)
         if progress.interrupted:
             break
-        result = evaluate(model, test_loader, accelerator)
+        result = evaluate_with_ema(model, ema, test_loader, accelerator)
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             scheduler.step()
-            if progress.improved(result["accuracy"]):
-                save_weights(accelerator, model, out / "best.safetensors",
+            if progress.improved(result):  # also counts evaluations for early stopping
+                save_weights(accelerator, ema.module if ema else model, out / "best.safetensors",
                              {"recipe": NAME, "epoch": epoch, **result})
             save(accelerator, cfg, progress, scheduler)
         metrics.write(epoch=epoch, step=progress.step, world_size=accelerator.num_processes, lr=lr,
@@ -232,17 +250,23 @@ def main(cfg):
     if progress.interrupted:
         accelerator.print(f"stopped at step {progress.step}; continue with --resume latest")
     else:
+        if progress.out_of_patience:
+            accelerator.print(f"stopped early: no better {progress.metric} in "
+                              f"{cfg.early_stop_patience} evaluations")
         if result is None:  # eval_only, or a resumed run that had nothing left to train
-            result = evaluate(model, test_loader, accelerator)
+            result = evaluate_with_ema(model, ema, test_loader, accelerator)
             metrics.write(epoch=None, step=progress.step, world_size=accelerator.num_processes,
                           weights=str(cfg.weights or checkpoint), **result)
         if not cfg.eval_only:
             save_weights(accelerator, model, out / "model.safetensors", {"recipe": NAME})
+            if ema is not None:
+                save_weights(accelerator, ema.module, out / "model_ema.safetensors",
+                             {"recipe": NAME})
         accelerator.print(f"test accuracy {result['accuracy']:.4f} on {result['eval_samples']} "
                           f"samples; outputs in {out}/")
 
     # 7. Exit cleanly: drop what holds the process group, then close it.
-    del model, optimizer, train_loader, test_loader
+    del model, optimizer, train_loader, test_loader, ema
     close(accelerator)
 
 

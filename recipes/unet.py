@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from common.checkpoint import load_checkpoint, load_weights, save_checkpoint, save_weights
 from common.config import require, require_at_least
 from common.determinism import set_deterministic
+from common.ema import EMA
 from common.progress import Progress
 from common.runtime import build_accelerator, close, describe, open_run, run, start_logging
 from common.runtime import sync_batchnorm, tracker
@@ -119,12 +120,12 @@ DATA_ORDER = ("dataset", "train_split", "val_fraction", "seed", "batch_size",
 
 def save(accelerator, cfg, progress, scheduler, values):
     """A checkpoint: Accelerate's state, the position in the data, the LR schedule, the classes."""
-    state = {"recipe": NAME, **{k: getattr(cfg, k) for k in DATA_ORDER}, **progress.state(),
-             "scheduler": scheduler.state_dict(), "mask_values": values}
+    state = {"recipe": NAME, **{k: getattr(cfg, k) for k in (*DATA_ORDER, "ema_decay")},
+             **progress.state(), "scheduler": scheduler.state_dict(), "mask_values": values}
     save_checkpoint(accelerator, progress.checkpoints, progress.step, state, cfg.keep_checkpoints)
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress, values):
+def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress, ema, values):
     """One pass over this process's shard, or its rest after a resume. `progress` counts the
     batches and steps, says when to log, checkpoint and stop, and sums up the epoch."""
     model.train()
@@ -141,6 +142,8 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
             optimizer.zero_grad()
         if not progress.after_batch(loss, len(y)):  # still accumulating
             continue
+        if ema is not None:  # the moving average of the weights, once per optimizer step
+            ema.update()
         # Stepped here, once per optimizer step: a prepared scheduler steps once per process.
         if cfg.scheduler == "cosine" and not accelerator.optimizer_step_was_skipped:
             scheduler.step()
@@ -186,6 +189,15 @@ def evaluate(model, loader, accelerator, cfg, panels=False):
             "eval_samples": int(images)}, panel
 
 
+def evaluate_with_ema(model, ema, loader, accelerator, cfg, panels=False):
+    """evaluate() the model and, with ema_decay, its moving average (ema_dice, ...)."""
+    result, panel = evaluate(model, loader, accelerator, cfg, panels)
+    if ema is not None:
+        averaged, _ = evaluate(ema.synced(accelerator), loader, accelerator, cfg)
+        result.update({f"ema_{k}": v for k, v in averaged.items()})
+    return result, panel
+
+
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
     accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s,
@@ -221,6 +233,10 @@ def main(cfg):
     else:
         model, optimizer, train_loader, val_loader = accelerator.prepare(
             model, optimizer, train_loader, val_loader)
+    ema = None
+    if cfg.ema_decay:  # a moving average of the unwrapped model's weights, in every checkpoint
+        ema = EMA(accelerator.unwrap_model(model, keep_torch_compile=False), cfg.ema_decay)
+        accelerator.register_for_checkpointing(ema)
     if cfg.scheduler == "cosine":  # fit_cosine() sets its length once a resume says where we are
         scheduler = CosineAnnealingLR(optimizer, T_max=1)
     else:
@@ -231,10 +247,11 @@ def main(cfg):
                       f"outputs to {out}/")
 
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
-    progress = Progress(accelerator, cfg, metric="dice")
+    # `best` and early stopping follow the average's Dice when there is one.
+    progress = Progress(accelerator, cfg, metric="ema_dice" if ema else "dice")
     if checkpoint:  # eval_only reads any checkpoint; training on needs the same data order
         order = None if cfg.eval_only else {k: getattr(cfg, k) for k in DATA_ORDER}
-        state = load_checkpoint(accelerator, checkpoint, NAME, order)
+        state = load_checkpoint(accelerator, checkpoint, NAME, order, {"ema_decay": cfg.ema_decay})
         require_same_classes(state, data.values, checkpoint)
         scheduler.load_state_dict(state["scheduler"])
         progress.load(state)
@@ -254,15 +271,16 @@ def main(cfg):
         if progress.batches_done:  # resumed mid-epoch: skip what this epoch already trained on
             loader = accelerator.skip_first_batches(train_loader, progress.batches_done)
         train = train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress,
-                                data.values)
+                                ema, data.values)
         if progress.interrupted:
             break
-        result, panel = evaluate(model, val_loader, accelerator, cfg, panels=cfg.log_with != "none")
+        result, panel = evaluate_with_ema(model, ema, val_loader, accelerator, cfg,
+                                          panels=cfg.log_with != "none")
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             if cfg.scheduler == "plateau":
                 scheduler.step(result["dice"])
-            if progress.improved(result["dice"]):
-                save_weights(accelerator, model, out / "best.safetensors",
+            if progress.improved(result):  # also counts evaluations for early stopping
+                save_weights(accelerator, ema.module if ema else model, out / "best.safetensors",
                              {**stored, "epoch": epoch, **result})
             save(accelerator, cfg, progress, scheduler, data.values)
         metrics.write(epoch=epoch, step=progress.step, world_size=accelerator.num_processes, lr=lr,
@@ -278,17 +296,22 @@ def main(cfg):
     if progress.interrupted:
         accelerator.print(f"stopped at step {progress.step}; continue with --resume latest")
     else:
+        if progress.out_of_patience:
+            accelerator.print(f"stopped early: no better {progress.metric} in "
+                              f"{cfg.early_stop_patience} evaluations")
         if result is None:  # eval_only, or a resumed run that had nothing left to train
-            result, _ = evaluate(model, val_loader, accelerator, cfg)
+            result, _ = evaluate_with_ema(model, ema, val_loader, accelerator, cfg)
             metrics.write(epoch=None, step=progress.step, world_size=accelerator.num_processes,
                           weights=str(cfg.weights or checkpoint), **result)
         if not cfg.eval_only:
             save_weights(accelerator, model, out / "model.safetensors", stored)
+            if ema is not None:
+                save_weights(accelerator, ema.module, out / "model_ema.safetensors", stored)
         accelerator.print(f"dice {result['dice']:.4f} on {result['eval_samples']} validation "
                           f"images; outputs in {out}/")
 
     # 7. Exit cleanly: drop what holds the process group, then close it.
-    del model, optimizer, scheduler, train_loader, val_loader, data
+    del model, optimizer, scheduler, train_loader, val_loader, data, ema
     close(accelerator)
 
 

@@ -205,7 +205,7 @@ def bench_mnist(args, accelerator):
         progress = Progress(accelerator, cfg, metric="accuracy")
 
         return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, lambda epoch_loader: mnist.train_one_epoch(
-            model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress))
+            model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress, None))
 
     def setup_bound():
         model, optimizer = new_model()
@@ -330,7 +330,7 @@ def bench_unet(args, accelerator):
         progress = Progress(accelerator, cfg, metric="dice")
 
         return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, lambda epoch_loader: unet.train_one_epoch(
-            model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress, values))
+            model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress, None, values))
 
     def setup_bound():
         model, optimizer = new_model()

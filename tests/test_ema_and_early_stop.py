@@ -1,0 +1,102 @@
+"""The moving average of the weights (ema_decay) and early stopping (early_stop_patience):
+both resume exactly, and every rank stops after the same evaluation."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.config import ConfigError, parse_config
+from conftest import assert_ok, launch, make_shapes, read_metrics
+from recipe_module import load_recipe
+
+MNIST = "recipes/mnist.py"
+# 256 train samples, batch 32: 8 optimizer steps per epoch on 1 process, 4 on 2.
+COMMON = ["--epochs", 2, "--batch_size", 32, "--eval_batch_size", 256]
+
+
+def train(data, out, *args, nproc=1):
+    res = launch([MNIST, "--dataset", data, "--output_dir", out, *COMMON, *args], nproc=nproc)
+    assert_ok(res)
+    return res
+
+
+def assert_identical(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs by {(a[k] - b[k]).abs().max()}"
+
+
+@pytest.mark.parametrize("nproc, steps", [(1, 10), (2, 7)])  # one whole epoch, then part of the next
+def test_the_moving_average_resumes_bit_identically(tiny_mnist, tmp_path, nproc, steps):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    ema = ["--ema_decay", 0.9]
+    train(tiny_mnist, straight, *ema, "--max_steps", steps, nproc=nproc)
+    train(tiny_mnist, split, *ema, "--max_steps", 3, nproc=nproc)  # mid-epoch 1
+    res = train(tiny_mnist, split, *ema, "--max_steps", steps, "--resume", "latest", nproc=nproc)
+    assert "(epoch 1, step 3)" in res.output
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        assert_identical(load_file(straight / name), load_file(split / name))
+    # The average is not the model, and it is evaluated and followed for `best`.
+    model, averaged = load_file(straight / "model.safetensors"), load_file(straight / "model_ema.safetensors")
+    assert not torch.equal(model["fc2.weight"], averaged["fc2.weight"])
+    rows = read_metrics(straight)
+    assert all(r["ema_eval_samples"] == r["eval_samples"] == 1001 and 0 < r["ema_accuracy"] <= 1 for r in rows)
+    complete = [r["ema_accuracy"] for r in rows if r["step"] % (8 // nproc) == 0]  # whole epochs
+    state = json.loads((straight / "checkpoints" / f"step-{steps:08d}" / "trainer_state.json").read_text())
+    assert state["ema_decay"] == 0.9 and state["best_ema_accuracy"] == max(complete)
+
+
+def test_a_checkpoint_resumes_only_with_its_ema_setting(tiny_mnist, tmp_path):
+    train(tiny_mnist, tmp_path, "--max_steps", 3)
+    res = launch([MNIST, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON, "--resume", "latest",
+                  "--ema_decay", 0.9], launcher="python")
+    assert res.returncode == 2, res
+    assert "was written with ema_decay 0.0, not 0.9: resume it with --ema_decay 0.0" in res.output, res
+    assert "Traceback" not in res.output
+
+
+def test_early_stopping_stops_every_rank_and_its_patience_survives_a_resume(tiny_mnist, tmp_path):
+    # A learning rate too small to change a prediction: the accuracy never improves after epoch 1.
+    # 4 steps an epoch on 2 processes: max_steps 8 stops at the end of epoch 2, one evaluation into
+    # a patience of 2. The resumed run must stop after epoch 3, not start counting again.
+    flat = ["--lr", 1e-12, "--epochs", 6, "--early_stop_patience", 2]
+    train(tiny_mnist, tmp_path, *flat, "--max_steps", 8, nproc=2)
+    res = train(tiny_mnist, tmp_path, *flat, "--resume", "latest", nproc=2)
+    assert "stopped early: no better accuracy in 2 evaluations" in res.output
+    assert [r["epoch"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert (tmp_path / "model.safetensors").is_file()
+    # Going on from there trains nothing more: the patience ran out.
+    res = train(tiny_mnist, tmp_path, *flat, "--resume", "latest", nproc=2)
+    assert "epoch 4:" not in res.output and read_metrics(tmp_path)[-1]["epoch"] is None
+
+
+def test_the_unet_averages_its_batchnorm_and_stops_early(tmp_path):
+    shapes = make_shapes(tmp_path / "shapes", 40, 48)
+    out = tmp_path / "run"
+    res = launch(["recipes/unet.py", "--dataset", shapes, "--output_dir", out, "--base_channels", 4, "--num_workers", 0,
+                  "--val_fraction", 0.2, "--batch_size", 8, "--epochs", 5, "--lr", 1e-12, "--ema_decay", 0.5,
+                  "--early_stop_patience", 1], env={"OMP_NUM_THREADS": "1"})
+    assert_ok(res)
+    assert "stopped early: no better ema_dice in 1 evaluations" in res.output
+    assert [r["epoch"] for r in read_metrics(out)] == [1, 2]
+    assert all("ema_dice" in r for r in read_metrics(out))
+    averaged = load_file(out / "model_ema.safetensors")
+    model = load_file(out / "model.safetensors")
+    # BatchNorm's running statistics are averaged too (the weights barely move at this lr).
+    mean = next(k for k in averaged if k.endswith("running_mean"))
+    assert averaged[mean].abs().sum() > 0 and not torch.equal(averaged[mean], model[mean])
+    assert torch.equal(averaged[mean.replace("running_mean", "num_batches_tracked")],
+                       model[mean.replace("running_mean", "num_batches_tracked")])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ema_decay", "1"], "ema_decay must be in [0, 1), such as 0.999, got 1.0"),
+    (["--early_stop_patience", "-1"], "early_stop_patience must be at least 0, got -1"),
+])
+def test_bad_values_are_rejected(argv, message):
+    mnist = load_recipe("mnist")
+    with pytest.raises(ConfigError) as e:
+        parse_config(mnist.Config, argv)
+    assert message in str(e.value)
