@@ -26,10 +26,12 @@ TILED_MB = 400
 def native(tmp_path_factory):
     """Weights trained on 64x64 shapes at their own size (bucket_by_size: input_size None), with
     vertical flips too, and the Dice of the last plain evaluation."""
-    data = make_shapes(tmp_path_factory.mktemp("shapes"), 40, 64)
+    data = make_shapes(tmp_path_factory.mktemp("shapes"), 48, 64)
     out = tmp_path_factory.mktemp("native")
+    # 6 epochs of 36 images: Dice about 0.8, and foreground found on the mosaic below.
     res = launch([RECIPE, "--dataset", data, "--output_dir", out, "--bucket_by_size", "true", "--base_channels", 8,
-                  "--lr", 3e-3, "--epochs", 4, "--vflip", 0.5, "--val_fraction", 0.25, "--num_workers", 0],
+                  "--lr", 3e-3, "--epochs", 6, "--batch_size", 4, "--vflip", 0.5, "--val_fraction", 0.25,
+                  "--num_workers", 0],
                  launcher="python", env=ONE_THREAD)
     assert_ok(res)
     return SimpleNamespace(data=data, weights=out / "model.safetensors", dice=dice(res))
@@ -47,13 +49,18 @@ def predict(weights, images, out, *args):
 
 
 def test_tiled_and_whole_predictions_agree(native, tmp_path):
-    big = make_shapes(tmp_path / "big", 2, 192)
-    predict(native.weights, f"{big}/imgs/*.png", tmp_path / "whole")
-    predict(native.weights, f"{big}/imgs/*.png", tmp_path / "tiled", "--predict_tile", 64)
-    for name in ("shape_0000_mask.png", "shape_0001_mask.png"):
-        whole, tiles = (np.asarray(Image.open(tmp_path / kind / name)) for kind in ("whole", "tiled"))
-        assert whole.shape == tiles.shape == (192, 192)
-        assert (whole == tiles).mean() >= 0.995, (whole == tiles).mean()
+    # A 192x256 mosaic of 3 x 4 training images: shapes at the scale the model learned, so that it
+    # predicts a good share of foreground, which the tiles must place where the whole image does.
+    images = [np.asarray(Image.open(native.data / "imgs" / f"shape_{i:04d}.png")) for i in range(12)]
+    (tmp_path / "in").mkdir()
+    Image.fromarray(np.concatenate([np.concatenate(images[r * 4 : r * 4 + 4], 1) for r in range(3)])).save(
+        tmp_path / "in" / "mosaic.png")
+    predict(native.weights, tmp_path / "in" / "mosaic.png", tmp_path / "whole")
+    predict(native.weights, tmp_path / "in" / "mosaic.png", tmp_path / "tiled", "--predict_tile", 64)
+    whole, tiles = (np.asarray(Image.open(tmp_path / kind / "mosaic_mask.png")) for kind in ("whole", "tiled"))
+    assert whole.shape == tiles.shape == (192, 256)
+    assert (whole > 0).mean() > 0.05, (whole > 0).mean()
+    assert (whole == tiles).mean() >= 0.995, (whole == tiles).mean()
 
 
 def test_tiles_blend_to_the_whole_image_for_a_pixelwise_model():
