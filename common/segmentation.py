@@ -14,6 +14,7 @@ mask value values[i].
 
 import dataclasses
 import glob
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,9 @@ class SegmentationConfig(RunConfig):
     predict: Optional[str] = None  # an image file or glob
     predict_dir: Optional[str] = None  # where the NAME_mask.png go; default output_dir/predictions
     overlay: bool = False  # also write NAME_overlay.png, the image with the classes painted on
+    # Predict and eval_only (and the evaluation of a training run): see segment().
+    predict_tile: int = 0  # run the model on overlapping tiles of this size, blended; 0: whole images
+    predict_flip: bool = False  # average the logits of the image and its flips seen in training
 
     def validate(self):
         super().validate()
@@ -71,6 +75,9 @@ class SegmentationConfig(RunConfig):
             require(count in (None, len(given)), f"mask_values needs one value per class ({count} for "
                                                  f"num_classes {self.num_classes}), got {self.mask_values!r}")
         require(not self.predict or self.weights, "predict needs weights: add --weights PATH/model.safetensors")
+        require(self.predict_tile == 0 or (self.predict_tile >= 32 and self.predict_tile % PAD_MULTIPLE == 0),
+                f"predict_tile must be 0 or a multiple of 16 from 32 up (the U-Net halves a tile 4 times), "
+                f"got {self.predict_tile}")
         require(not (self.predict and self.eval_only), "choose one of predict and eval_only")
 
 
@@ -429,6 +436,9 @@ class SegmentationWeights:
     model: dict  # the Config fields the model is built from, e.g. {"num_classes": 4, "base_channels": 64}
     mask_values: list  # class i is mask value mask_values[i]
     input_size: Optional[list]  # [height, width] that the model saw; None: each image at its own size
+    # The flips of its training augmentation, which predict_flip averages over: "h" (horizontal),
+    # "v" (vertical), both or "". Files written before it was stored: "h", the recipe's default.
+    flips: str = "h"
 
     KEY = "segmentation"
 
@@ -478,6 +488,62 @@ def require_same_classes(state, values, checkpoint):
                         f"{values}: set --mask_values to match, or start a new run")
 
 
+def tile_starts(size, tile):
+    """Where the tiles along an image side of `size` pixels start: every `stride` pixels, a
+    multiple of 16 so that each tile meets the U-Net's pooling grid where the whole image would,
+    overlapping by a quarter of a tile or more; the last tile ends at the edge."""
+    stride = max(PAD_MULTIPLE, (tile - tile // 4) // PAD_MULTIPLE * PAD_MULTIPLE)
+    return [*range(0, size - tile, stride), size - tile]
+
+
+def gaussian_weights(height, width, device):
+    """[height, width] weights for blending tiles, highest at the centre (sigma 1/8 of the side,
+    as nnU-Net): the logits near a tile's edge, which saw the zero padding past it, count least."""
+    def side(n):
+        offsets = torch.arange(n, dtype=torch.float32, device=device) - (n - 1) / 2
+        return torch.exp(-0.5 * (offsets / (n / 8)) ** 2)  # 3e-4 at the edge, never 0
+
+    return side(height)[:, None] * side(width)[None]
+
+
+def tiled(net, x, tile):
+    """net(x) for images x [N, C, H, W], or, where they are larger than tile x tile, the logits
+    of overlapping tiles blended with Gaussian weights. The network sees one tile at a time, so
+    its memory grows with the tile; only the logits (fp32) grow with the image."""
+    height, width = x.shape[-2:]
+    if not tile or (height <= tile and width <= tile):
+        return net(x)
+    tile_h, tile_w = min(tile, height), min(tile, width)
+    weights = gaussian_weights(tile_h, tile_w, x.device)
+    logits = total = None
+    for top, left in itertools.product(tile_starts(height, tile_h), tile_starts(width, tile_w)):
+        window = (..., slice(top, top + tile_h), slice(left, left + tile_w))
+        part = net(x[window]).float()
+        if logits is None:
+            logits = part.new_zeros((*part.shape[:2], height, width))
+            total = part.new_zeros((height, width))
+        logits[window] += part * weights
+        total[window] += weights
+    return logits.div_(total)
+
+
+def segment(net, x, cfg, flips):
+    """The logits of images x [N, 3, H, W] as predict and evaluation compute them: net(x), or
+    with cfg.predict_tile, from tiles (tiled()), and with cfg.predict_flip, the mean over the
+    image and its flips along the axes the model was trained to flip (`flips`: "h", "v", both).
+    The mean of the logits, not of the probabilities: it stays logits, for the loss, the argmax
+    and the tiles' blend, and one class (sigmoid) and several (softmax) are averaged alike."""
+    if not cfg.predict_flip:
+        return tiled(net, x, cfg.predict_tile)
+    if not flips:
+        raise UserError("predict_flip averages over the flips of training, and this model was trained with "
+                        "none (hflip and vflip 0): leave predict_flip off")
+    axes = [dim for axis, dim in (("v", 2), ("h", 3)) if axis in flips]
+    views = [dims for n in range(len(axes) + 1) for dims in itertools.combinations(axes, n)]
+    logits = sum(tiled(net, x.flip(dims), cfg.predict_tile).float().flip(dims) for dims in views)
+    return logits / len(views)
+
+
 def predict(cfg, accelerator, build_model):
     """A mask PNG per image of the --predict glob, at the image's size, in the training masks'
     values; --overlay also paints the classes on the image. Each process does a share.
@@ -502,7 +568,8 @@ def predict(cfg, accelerator, build_model):
     values = weights.mask_values
     lut = np.array(values, np.uint8 if max(values) < 256 else np.uint16)  # class index -> mask value
     # The model sees images as in training: resized to input_size, or at their own size
-    # (bucket_by_size), padded like a training batch, one at a time.
+    # (bucket_by_size), padded like a training batch, one at a time. predict_tile applies at
+    # that scale: it lets a model trained at its images' own size take large ones.
     native = weights.input_size is None
     batch_size = 1 if native else cfg.eval_batch_size
     with accelerator.split_between_processes(files) as mine:
@@ -514,7 +581,7 @@ def predict(cfg, accelerator, build_model):
             else:
                 x = torch.stack([resize(pil_to_tensor(im), weights.input_size, antialias=True) for im in images])
             with torch.inference_mode(), accelerator.autocast():
-                logits = model(x.to(accelerator.device).float() / 255)
+                logits = segment(model, x.to(accelerator.device).float() / 255, cfg, weights.flips)
             for path, image, lg in zip(paths, images, logits):
                 if native:
                     lg = lg[:, : image.height, : image.width].float()

@@ -32,7 +32,7 @@ from common.runtime import sync_batchnorm, tracker
 from common.schedule import fit_cosine
 from common.segmentation import (
     SegmentationConfig, SegmentationWeights, dice_counts, fit_to_weights, image_panel, load_data,
-    loss_per_image, predict, require_same_classes,
+    loss_per_image, predict, require_same_classes, segment,
 )
 from unet_model import UNet  # ADAPT: your model
 
@@ -81,6 +81,8 @@ class Config(SegmentationConfig):  # + the data, class and predict settings it i
                 "crop_size cannot exceed image_size")
         require(not self.bucket_by_size or not (self.image_size or self.crop_size),
                 "bucket_by_size trains on the images' own sizes: leave image_size, crop_size at 0")
+        require(not self.predict_flip or self.eval_only or self.predict or self.hflip or self.vflip,
+                "predict_flip averages over the flips of training: set hflip or vflip above 0")
 
 
 # ADAPT: your model: the Config fields that build it, stored in the weights file for predict.
@@ -157,12 +159,13 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
 
 
 @torch.inference_mode()
-def evaluate(model, loader, accelerator, cfg, panels=False):
+def evaluate(model, loader, accelerator, cfg, flips, panels=False):
     """Mean Dice over the validation images, each counted once on any number of processes: a
     prepared loader pads the last batch and gather_for_metrics drops the padding. A bucketed one
     pads nothing, so ranks may get different numbers of batches: nothing may wait on other ranks
     per batch (the unwrapped model, as DDP syncs buffers in forward), and one reduce ends the
-    loop. `panels`: also return image | prediction | truth of a few images, for the tracker."""
+    loop. `panels`: also return image | prediction | truth of a few images, for the tracker.
+    `flips`: those of the model's training, for predict_flip (segment() runs the model)."""
     bucketed = cfg.bucket_by_size
     # keep_torch_compile=False: the default takes DDP out of a compiled model (Accelerate 1.15).
     net = accelerator.unwrap_model(model, keep_torch_compile=False) if bucketed else model
@@ -172,7 +175,7 @@ def evaluate(model, loader, accelerator, cfg, panels=False):
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # dice, loss, images
     panel = None
     for x, y in loader:
-        logits = net(prepare_input(x, cfg))
+        logits = segment(net, prepare_input(x, cfg), cfg, flips)  # predict_tile, predict_flip
         if panels and panel is None:
             panel = image_panel(x, logits, y, cfg.num_classes)
         counts = (*dice_counts(logits, y, cfg.num_classes),
@@ -189,11 +192,11 @@ def evaluate(model, loader, accelerator, cfg, panels=False):
             "eval_samples": int(images)}, panel
 
 
-def evaluate_with_ema(model, ema, loader, accelerator, cfg, panels=False):
+def evaluate_with_ema(model, ema, loader, accelerator, cfg, flips, panels=False):
     """evaluate() the model and, with ema_decay, its moving average (ema_dice, ...)."""
-    result, panel = evaluate(model, loader, accelerator, cfg, panels)
+    result, panel = evaluate(model, loader, accelerator, cfg, flips, panels)
     if ema is not None:
-        averaged, _ = evaluate(ema.synced(accelerator), loader, accelerator, cfg)
+        averaged, _ = evaluate(ema.synced(accelerator), loader, accelerator, cfg, flips)
         result.update({f"ema_{k}": v for k, v in averaged.items()})
     return result, panel
 
@@ -214,6 +217,8 @@ def main(cfg):
     # 2. Data: each process checks a share of the masks; a bad one stops every rank alike.
     weights = SegmentationWeights.read(cfg.weights) if cfg.weights else None
     cfg = fit_to_weights(cfg, weights, MODEL_SETTINGS)
+    trained_flips = "h" * (cfg.hflip > 0) + "v" * (cfg.vflip > 0)  # what predict_flip may flip
+    flips = weights.flips if weights and cfg.eval_only else trained_flips
     data = load_data(cfg, accelerator, *transforms(cfg), weights)
     cfg = replace(cfg, num_classes=data.num_classes, max_batch_pixels=data.max_batch_pixels)
     train_loader, val_loader = data.train_loader, data.val_loader
@@ -259,7 +264,8 @@ def main(cfg):
         steps_per_epoch = math.ceil(len(train_loader) / cfg.gradient_accumulation_steps)
         fit_cosine(scheduler, cfg, progress, steps_per_epoch)
     # What predict needs to rebuild the model and write masks, inside the weights file.
-    stored = SegmentationWeights(settings, data.values, data.input_size).metadata(recipe=NAME)
+    stored = SegmentationWeights(settings, data.values, data.input_size, flips)
+    stored = stored.metadata(recipe=NAME)
 
     # 5. Train, evaluating after every epoch.
     result = None
@@ -274,7 +280,7 @@ def main(cfg):
                                 ema, data.values)
         if progress.interrupted:
             break
-        result, panel = evaluate_with_ema(model, ema, val_loader, accelerator, cfg,
+        result, panel = evaluate_with_ema(model, ema, val_loader, accelerator, cfg, flips,
                                           panels=cfg.log_with != "none")
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             if cfg.scheduler == "plateau":
@@ -300,7 +306,7 @@ def main(cfg):
             accelerator.print(f"stopped early: no better {progress.metric} in "
                               f"{cfg.early_stop_patience} evaluations")
         if result is None:  # eval_only, or a resumed run that had nothing left to train
-            result, _ = evaluate_with_ema(model, ema, val_loader, accelerator, cfg)
+            result, _ = evaluate_with_ema(model, ema, val_loader, accelerator, cfg, flips)
             metrics.write(epoch=None, step=progress.step, world_size=accelerator.num_processes,
                           weights=str(cfg.weights or checkpoint), **result)
         if not cfg.eval_only:

@@ -39,7 +39,7 @@ def whole(model, when):
 
 
 whole(model, "after prepare")
-result, _ = unet.evaluate(model, val_loader, accelerator, cfg)  # bucketed: the bare model, no compiling
+result, _ = unet.evaluate(model, val_loader, accelerator, cfg, "h")  # bucketed: the bare model, no compiling
 whole(model, "after evaluate")
 save_weights(accelerator, model, out / "model.safetensors")
 whole(model, "after save_weights")
