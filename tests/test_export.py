@@ -15,7 +15,7 @@ from safetensors import safe_open
 from common.checkpoint import load_weights
 from common.config import ConfigError, UserError, parse_config
 from common.export import OnnxModel, check_onnx, write_onnx
-from common.segmentation import load_model
+from common.segmentation import SegmentationWeights, load_model, sample_images
 from conftest import assert_ok, launch, make_shapes
 from recipe_module import load_recipe
 
@@ -201,3 +201,14 @@ def test_an_export_that_differs_from_torch_is_one_line(tmp_path):
     with pytest.raises(UserError, match=r"gives logits up to 1\.00e-03 away from PyTorch's on "
                                         r"inputs of 2x3x8x8 and 1x3x8x8 \(tolerance 0\.0001\)"):
         check_onnx(conv, tmp_path / "conv.onnx", [x, x[:1]])
+
+
+def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights):
+    data, _ = unet_weights
+    cfg = parse_config(load_recipe("unet").Config, ["--dataset", str(data), *map(str, UNET_DATA)])
+    for input_size, first, second in [([32, 40], (4, 3, 32, 40), (1, 3, 48, 72)),
+                                      (None, (4, 3, 48, 48), (1, 3, 64, 80))]:  # None: own size
+        weights = SegmentationWeights({}, [0, 85, 170, 255], input_size)
+        x, y = sample_images(cfg, weights)
+        assert (x.shape, y.shape) == (first, second)
+        assert x.dtype == torch.float32 and 0 <= x.min() < x.max() <= 1
