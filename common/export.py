@@ -116,8 +116,8 @@ def export_onnx(accelerator, model, inputs, weights, metadata, dynamic):
         worst = check_onnx(model, tmp, inputs)
         os.replace(tmp, path)
     except OSError as e:
-        raise UserError(f"cannot write {path} ({e.strerror or e}): copy the weights to a folder you "
-                        f"can write to") from None
+        raise UserError(f"cannot write {path} ({e.strerror or e}): copy the weights to a "
+                        f"folder you can write to") from None
     finally:
         tmp.unlink(missing_ok=True)
     sizes = ", ".join("x".join(map(str, x.shape)) for x in inputs)
