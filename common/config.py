@@ -417,6 +417,7 @@ class RunConfig:
     smoke_steps: int = 5
     eval_only: bool = False  # evaluate `weights` (or the `resume` checkpoint) and stop
     weights: Optional[str] = None  # model.safetensors (or a state_dict .pt) to start from
+    export: str = ""  # onnx: write `weights` as an .onnx file beside it, check it, stop (docs/export.md)
     # Logging: metrics.jsonl is always written; log_with also sends it to a tracker.
     log_with: str = "none"  # none, tensorboard (requirements-extras.txt) or wandb (pip install wandb)
     log_every: int = 50  # optimizer steps between logged training scalars
@@ -433,6 +434,11 @@ class RunConfig:
         require(not (self.weights and self.resume), "weights and resume both load a model: pass one of them")
         require(not self.eval_only or self.weights or self.resume,
                 "eval_only needs --weights FILE or --resume CHECKPOINT")
+        require(self.export in ("", "onnx"), f"export must be onnx, got {self.export!r}")
+        require(not self.export or self.weights, "export needs weights: add --weights PATH/model.safetensors")
+        require(not (self.export and self.eval_only), "choose one of export and eval_only")
+        require(not self.export or not self.weights.endswith(".onnx"),
+                "export reads the weights the .onnx file was made from: pass the .safetensors")
 
     def scaled_lr(self, processes):
         """lr, times processes x accumulation steps with scale_lr (the linear scaling rule)."""

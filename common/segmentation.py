@@ -33,6 +33,7 @@ from torchvision.transforms.v2.functional import pil_to_tensor, resize
 from common.checkpoint import load_weights
 from common.config import RunConfig, UserError, require, require_at_least
 from common.data import IMAGE_ERRORS, DataError, load_splits, require_one_batch_per_process, unreadable_image
+from common.export import OnnxModel, onnx_metadata
 from common.runtime import ignore_stop_signals
 from common.sampler import bucket_loader
 
@@ -79,6 +80,9 @@ class SegmentationConfig(RunConfig):
                 f"predict_tile must be 0 or a multiple of 16 from 32 up (the U-Net halves a tile 4 times), "
                 f"got {self.predict_tile}")
         require(not (self.predict and self.eval_only), "choose one of predict and eval_only")
+        require(not (self.predict and self.export), "choose one of predict and export")
+        require(self.predict or not str(self.weights).endswith(".onnx"),
+                "an .onnx file only predicts: train or evaluate from the .safetensors it was made from")
 
 
 def parse_values(text, where):
@@ -448,14 +452,18 @@ class SegmentationWeights:
 
     @classmethod
     def read(cls, path):
-        """The settings stored in a weights file; None if it holds none (or is no .safetensors)."""
-        if Path(path).suffix != ".safetensors" or not Path(path).is_file():
+        """The settings stored in a weights file or an exported .onnx file; None if it holds none
+        (or is neither)."""
+        if Path(path).suffix not in (".safetensors", ".onnx") or not Path(path).is_file():
             return None  # load_weights reports a missing file
-        try:
-            with safe_open(path, "pt") as f:
-                meta = f.metadata() or {}
-        except SafetensorError as e:
-            raise UserError(f"cannot read weights file {path} ({e}): it is truncated or not a weights file") from None
+        if Path(path).suffix == ".onnx":
+            meta = onnx_metadata(path)  # export_onnx copied the weights file's metadata
+        else:
+            try:
+                with safe_open(path, "pt") as f:
+                    meta = f.metadata() or {}
+            except SafetensorError as e:
+                raise UserError(f"cannot read weights file {path} ({e}): it is truncated or not a weights file") from None
         if cls.KEY in meta:
             return cls(**json.loads(meta[cls.KEY]))
         if "mask_values" in meta:  # written before the settings were one entry: strings, one per key
@@ -544,17 +552,38 @@ def segment(net, x, cfg, flips):
     return logits / len(views)
 
 
+def load_model(cfg, build_model, device="cpu"):
+    """(model, SegmentationWeights) of the --weights file, for predict and export: the model that
+    build_model(settings) makes from the settings stored in the file, with its weights, in eval
+    mode on `device`; or for an .onnx file, an onnxruntime session that is called alike."""
+    weights = SegmentationWeights.read(cfg.weights)
+    if weights is None:
+        raise UserError(f"{cfg.weights} holds no segmentation settings: predict and export need weights saved by this recipe")
+    if Path(cfg.weights).suffix == ".onnx":
+        return OnnxModel(cfg.weights), weights
+    model = build_model(weights.model)
+    load_weights(model, cfg.weights)
+    return model.to(device).eval(), weights
+
+
+def sample_images(cfg, weights, count=4):
+    """Up to `count` validation images as the model takes them (float [N, 3, H, W] in 0..1), at
+    the size it was trained on (input_size, or the first image's own size padded), and the first
+    one again at another size (16 and 32 pixels more): real inputs to check an export on."""
+    _, val_source = open_sources(cfg)
+    images = SegmentationSet(val_source, weights.mask_values, lambda *pair: pair, cfg.seed)
+    images = [images[i][0] for i in range(min(count, len(images)))]
+    h, w = weights.input_size or (padded(images[0].shape[1]), padded(images[0].shape[2]))
+    return [torch.stack([resize(im, [h, w], antialias=True) for im in images]).float() / 255,
+            resize(images[0], [h + 16, w + 32], antialias=True)[None].float() / 255]
+
+
 def predict(cfg, accelerator, build_model):
     """A mask PNG per image of the --predict glob, at the image's size, in the training masks'
     values; --overlay also paints the classes on the image. Each process does a share.
     build_model(settings) rebuilds the model from the settings stored in the weights file."""
-    weights = SegmentationWeights.read(cfg.weights)
-    if weights is None:
-        raise UserError(f"{cfg.weights} holds no segmentation settings: predict needs weights saved by this recipe")
+    model, weights = load_model(cfg, build_model, accelerator.device)
     num_classes = weights.model["num_classes"]
-    model = build_model(weights.model)
-    load_weights(model, cfg.weights)
-    model.to(accelerator.device).eval()
     files = sorted(p for p in glob.glob(cfg.predict) if Path(p).suffix.lower() in IMAGE_SUFFIXES)
     if not files or len({Path(p).stem for p in files}) < len(files):
         raise DataError(f"--predict {cfg.predict!r} matches {'two images of one name' if files else 'no image files'}")

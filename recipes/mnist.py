@@ -29,6 +29,7 @@ from common.data import DataError, TensorBatches, class_labels, decode_images, l
 from common.data import require_one_batch_per_process
 from common.determinism import set_deterministic
 from common.ema import EMA
+from common.export import export_onnx
 from common.progress import Progress
 from common.runtime import build_accelerator, close, describe, ignore_stop_signals, open_run, run
 from common.runtime import start_logging, tracker
@@ -185,6 +186,12 @@ def main(cfg):
                                     log_with=tracker(cfg.log_with), project_dir=cfg.output_dir)
     set_seed(cfg.seed)
     set_deterministic(cfg.deterministic)
+    if cfg.export:  # a mode of its own: an .onnx file beside the weights (common/export.py)
+        model, x = BasicNet(), normalize(next(iter(make_loaders(cfg)[1]))[0][:8])  # test digits
+        load_weights(model, cfg.weights)
+        export_onnx(accelerator, model, [x, x[:3]], cfg.weights, {"recipe": NAME}, {0: "batch"})
+        close(accelerator)
+        return
     out, checkpoint = open_run(accelerator, cfg)
 
     # 2. Data: every process loads it (bad data fails alike on every rank); prepare() shards it.

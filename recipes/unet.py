@@ -26,13 +26,14 @@ from common.checkpoint import load_checkpoint, load_weights, save_checkpoint, sa
 from common.config import require, require_at_least
 from common.determinism import set_deterministic
 from common.ema import EMA
+from common.export import export_onnx
 from common.progress import Progress
 from common.runtime import build_accelerator, close, describe, open_run, run, start_logging
 from common.runtime import sync_batchnorm, tracker
 from common.schedule import fit_cosine
 from common.segmentation import (
     SegmentationConfig, SegmentationWeights, dice_counts, fit_to_weights, image_panel, load_data,
-    loss_per_image, predict, require_same_classes, segment,
+    load_model, loss_per_image, predict, require_same_classes, sample_images, segment,
 )
 from unet_model import UNet  # ADAPT: your model
 
@@ -210,6 +211,12 @@ def main(cfg):
     set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)
     if cfg.predict:  # a mode of its own: masks for new images (common/segmentation.py)
         predict(cfg, accelerator, build_model)
+        close(accelerator)
+        return
+    if cfg.export:  # a mode of its own: an .onnx file beside the weights (common/export.py)
+        model, weights = load_model(cfg, build_model)
+        export_onnx(accelerator, model, sample_images(cfg, weights), cfg.weights, {"recipe": NAME},
+                    {0: "batch", 2: "height", 3: "width"})  # any batch and image size
         close(accelerator)
         return
     out, checkpoint = open_run(accelerator, cfg)

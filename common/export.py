@@ -1,0 +1,126 @@
+"""ONNX export: a recipe's weights as an .onnx file beside them, checked against PyTorch, and a
+callable that runs such a file with onnxruntime where predict runs the torch model.
+
+    model = BasicNet(); load_weights(model, cfg.weights)
+    export_onnx(accelerator, model, [x, x[:1]], cfg.weights, {"recipe": "mnist"}, {0: "batch"})
+    logits = OnnxModel("runs/mnist/model.onnx")(x)   # float NCHW tensor in, logits tensor out
+    onnx_metadata("runs/mnist/model.onnx")           # the weights file's metadata, carried over
+
+The graph comes from torch.onnx.export(dynamo=True), torch's default exporter since 2.9 (the
+TorchScript one is deprecated), which needs the onnxscript package; with onnx and onnxruntime
+it is in requirements-extras.txt. They are imported when used, never when a recipe starts.
+"""
+
+import importlib
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from common.config import UserError
+
+TOLERANCE = 1e-4  # fp32: max |onnxruntime - torch| of any logit; kernels differ in rounding only
+INPUT, OUTPUT = "image", "logits"  # the names of the graph's input and output
+
+
+def require_packages(purpose, *names):
+    """Import the packages `names`; one that is not installed stops with one line."""
+    modules = []
+    for name in names:
+        try:
+            modules.append(importlib.import_module(name))
+        except ModuleNotFoundError as e:
+            if e.name != name:  # a package that is there failed to import one of its own
+                raise
+            raise UserError(f"{purpose} needs the {name} package: "
+                            f"pip install -r requirements-extras.txt") from None
+    return modules
+
+
+def weights_metadata(path):
+    """The metadata of a .safetensors weights file; {} for a torch.save'd state_dict."""
+    if Path(path).suffix != ".safetensors":
+        return {}
+    with safe_open(path, "pt") as f:  # load_weights has read the file already: it is whole
+        return f.metadata() or {}
+
+
+def onnx_metadata(path):
+    """The metadata_props of an .onnx file, as {key: value}."""
+    (onnx,) = require_packages(f"reading {path}", "onnx")
+    from google.protobuf.message import DecodeError  # protobuf comes with onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except DecodeError as e:
+        raise UserError(f"cannot read {path} ({type(e).__name__}): it is truncated or not an "
+                        f"ONNX file") from None
+    return {p.key: p.value for p in model.metadata_props}
+
+
+class OnnxModel:
+    """An .onnx file run by onnxruntime on the CPU, called as the torch model is: a float
+    [N, C, H, W] tensor in, a logits tensor out on the input's device."""
+
+    def __init__(self, path):
+        (ort,) = require_packages(f"running {path}", "onnxruntime")
+        self.path = Path(path)
+        self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+    def __call__(self, x):
+        (logits,) = self.session.run([OUTPUT], {INPUT: x.detach().float().cpu().numpy()})
+        return torch.from_numpy(logits).to(x.device)
+
+
+def write_onnx(model, example, path, metadata, dynamic):
+    """Export `model` (on the CPU, in eval mode) traced on `example` to `path`, one file, with
+    `metadata` in its metadata_props. dynamic: {axis: name} of the input and output axes that
+    take any size, such as {0: "batch"}; the others keep the example's size."""
+    onnx, _ = require_packages("export onnx", "onnx", "onnxscript")
+    # Batch 2 at least: torch.export takes an axis of size 1 for a constant.
+    example = example[:1].expand(max(len(example), 2), *example.shape[1:]).contiguous()
+    axes = {axis: torch.export.Dim(name) for axis, name in dynamic.items()}
+    program = torch.onnx.export(model.cpu().eval(), (example,), dynamo=True, input_names=[INPUT],
+                                output_names=[OUTPUT], dynamic_shapes=(axes,), verbose=False)
+    proto = program.model_proto
+    onnx.helper.set_model_props(proto, {k: str(v) for k, v in metadata.items()})
+    onnx.save(proto, str(path))
+
+
+@torch.inference_mode()
+def check_onnx(model, path, inputs):
+    """The largest |onnxruntime - torch| over the logits of each batch of `inputs`; beyond
+    TOLERANCE a UserError."""
+    session, model = OnnxModel(path), model.cpu().eval()
+    worst = max(float((session(x) - model(x)).abs().max()) for x in inputs)
+    if not worst <= TOLERANCE:  # also NaN
+        sizes = " and ".join("x".join(map(str, x.shape)) for x in inputs)
+        raise UserError(f"{path} gives logits up to {worst:.2e} away from PyTorch's on inputs of "
+                        f"{sizes} (tolerance {TOLERANCE:g}): the exporter mistranslated the model")
+    return worst
+
+
+def export_onnx(accelerator, model, inputs, weights, metadata, dynamic):
+    """Write the weights file `weights` as an .onnx file of the same name beside it, whose
+    metadata_props carry the weights file's metadata and `metadata`. Before it takes its name,
+    onnxruntime must give PyTorch's logits on each batch of `inputs` (real data; batches of other
+    sizes along the `dynamic` axes check that they take any size, see write_onnx)."""
+    if accelerator.num_processes > 1:
+        raise UserError("export runs on one process: start it with python, not a multi-process "
+                        "launch")
+    path = Path(weights).with_suffix(".onnx")
+    tmp = path.with_name(f".{path.stem}.tmp.onnx")
+    try:
+        write_onnx(model, inputs[0], tmp, {**weights_metadata(weights), **metadata}, dynamic)
+        worst = check_onnx(model, tmp, inputs)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"cannot write {path} ({e.strerror or e}): copy the weights to a "
+                        f"folder you can write to") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    sizes = ", ".join("x".join(map(str, x.shape)) for x in inputs)
+    accelerator.print(f"wrote {path}: onnxruntime's logits are within {worst:.1e} of PyTorch's "
+                      f"(max abs, fp32) on inputs of {sizes}")
+    return path

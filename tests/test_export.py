@@ -1,0 +1,214 @@
+"""--export onnx (common/export.py): both recipes write their weights as an .onnx file beside
+them, checked against PyTorch, with the weights file's metadata; the U-Net predicts from it."""
+
+import json
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from PIL import Image
+from safetensors import safe_open
+
+from common.checkpoint import load_weights
+from common.config import ConfigError, UserError, parse_config
+from common.export import OnnxModel, check_onnx, write_onnx
+from common.segmentation import SegmentationWeights, load_model, sample_images
+from conftest import assert_ok, launch, make_shapes
+from recipe_module import load_recipe
+
+MNIST, UNET = "recipes/mnist.py", "recipes/unet.py"
+UNET_DATA = ["--val_fraction", 0.2, "--num_workers", 0]  # 20 images: 16 train, 4 validation
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on 2 cores a second thread slows these tiny models down
+WROTE = re.compile(r"wrote (\S+): onnxruntime's logits are within (\S+) of PyTorch's \(max abs, "
+                   r"fp32\) on inputs of (.+)")
+
+
+def checked(res):
+    """(path, max difference, input shapes) from an export's report line."""
+    assert_ok(res)
+    path, worst, shapes = WROTE.search(res.output).groups()
+    return path, float(worst), shapes.split(", ")
+
+
+def graph_axes(path):
+    """The input's and the output's axes: a name where any size goes, else the size."""
+    graph = onnx.load(path).graph
+    return [[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+            for v in (graph.input[0], graph.output[0])]
+
+
+def metadata(path):
+    if path.suffix == ".onnx":
+        return {p.key: p.value for p in onnx.load(path).metadata_props}
+    with safe_open(path, "pt") as f:
+        return f.metadata()
+
+
+def torch_model(recipe, weights):
+    """The recipe's model with the weights, on the CPU, in eval mode."""
+    module = load_recipe(recipe)
+    if recipe == "mnist":
+        model = module.BasicNet()
+        load_weights(model, weights)
+        return model.eval()
+    return load_model(SimpleNamespace(weights=str(weights)), module.build_model)[0]
+
+
+@pytest.fixture(scope="module")
+def mnist_weights(tmp_path_factory):
+    """A freshly initialised BasicNet's weights, as the recipe saves them (export needs no
+    trained model: its check compares two runs of the same weights)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("mnist") / "model.safetensors"
+    save_file(load_recipe("mnist").BasicNet().state_dict(), path, metadata={"recipe": "mnist"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def unet_weights(tmp_path_factory):
+    """A U-Net of base_channels 4 trained for 4 epochs: enough that it predicts shapes."""
+    data = make_shapes(tmp_path_factory.mktemp("shapes"), 20, 48)
+    out = tmp_path_factory.mktemp("unet")
+    assert_ok(launch([UNET, "--dataset", data, "--output_dir", out, "--epochs", 4, "--lr", 1e-2,
+                      "--batch_size", 4, "--base_channels", 4, *UNET_DATA], launcher="python",
+                     env=ONE_THREAD))
+    return data, out / "model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def unet_onnx(unet_weights):
+    """`--export onnx` of the U-Net: (its output, the .onnx file)."""
+    data, weights = unet_weights
+    res = launch([UNET, "--dataset", data, "--export", "onnx", "--weights", weights, *UNET_DATA],
+                 launcher="python", env=ONE_THREAD)
+    return res, weights.with_suffix(".onnx")
+
+
+def test_mnist_export_writes_a_checked_onnx_file_for_any_batch(mnist_weights, tiny_mnist):
+    res = launch([MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights],
+                 launcher="python", env=ONE_THREAD)
+    path, worst, shapes = checked(res)
+    onnx_file = mnist_weights.with_suffix(".onnx")
+    assert path == str(onnx_file) and worst <= 1e-4, res
+    assert shapes == ["8x1x28x28", "3x1x28x28"]  # test digits, at two batch sizes
+    assert graph_axes(onnx_file) == [["batch", 1, 28, 28], ["batch", 10]]
+    assert metadata(onnx_file) == metadata(mnist_weights) == {"recipe": "mnist"}
+    # A third batch size, compared here rather than by the code under test.
+    x = torch.randn(5, 1, 28, 28)
+    with torch.no_grad():
+        assert (OnnxModel(onnx_file)(x) - torch_model("mnist", mnist_weights)(x)).abs().max() <= 1e-4
+
+
+def test_unet_export_takes_any_batch_and_image_size(unet_onnx, unet_weights):
+    res, onnx_file = unet_onnx
+    path, worst, shapes = checked(res)
+    assert path == str(onnx_file) and worst <= 1e-4, res
+    # Validation images at the training size, and one at another height and width.
+    assert shapes == ["4x3x48x48", "1x3x64x80"], res
+    assert graph_axes(onnx_file) == [["batch", 3, "height", "width"], ["batch", 4, "height", "width"]]
+    stored = metadata(onnx_file)
+    assert stored == metadata(unet_weights[1]) and stored["recipe"] == "unet"
+    assert json.loads(stored["segmentation"])["model"] == {"num_classes": 4, "base_channels": 4,
+                                                           "bilinear": False}
+    x = torch.rand(2, 3, 40, 56)  # a size that neither the export nor its check used
+    with torch.no_grad():
+        assert (OnnxModel(onnx_file)(x) - torch_model("unet", unet_weights[1])(x)).abs().max() <= 1e-4
+
+
+def test_unet_predict_from_onnx_writes_the_same_masks(unet_onnx, unet_weights, tmp_path):
+    data, weights = unet_weights
+    for source in (weights, unet_onnx[1]):
+        assert_ok(launch([UNET, "--predict", f"{data}/imgs/*.png", "--weights", source,
+                          "--predict_dir", tmp_path / source.suffix], launcher="python",
+                         env=ONE_THREAD))
+    masks = sorted((tmp_path / ".safetensors").iterdir())
+    assert len(masks) == 20
+    for mask in masks:  # identical files, not merely close
+        assert (tmp_path / ".onnx" / mask.name).read_bytes() == mask.read_bytes(), mask.name
+    found = set().union(*(np.unique(np.asarray(Image.open(m))).tolist() for m in masks))
+    assert len(found) > 1, found  # the model predicts shapes, not background alone
+
+
+def hide(tmp_path, package):
+    """PYTHONPATH for a subprocess in which `package` cannot be imported, as if not installed."""
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text(
+        f"raise ModuleNotFoundError(\"No module named '{package}'\", name='{package}')\n")
+    return {"PYTHONPATH": str(tmp_path)}
+
+
+def test_a_missing_exporter_package_is_one_line(mnist_weights, tiny_mnist, tmp_path):
+    res = launch([MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights],
+                 launcher="python", env=hide(tmp_path, "onnxscript"))
+    assert res.returncode == 2 and "Traceback" not in res.output, res
+    assert res.output.strip().splitlines()[-1] == (
+        "error: export onnx needs the onnxscript package: pip install -r requirements-extras.txt")
+
+
+def test_a_missing_onnxruntime_for_predict_is_one_line(unet_onnx, unet_weights, tmp_path):
+    onnx_file = unet_onnx[1]
+    res = launch([UNET, "--predict", f"{unet_weights[0]}/imgs/*.png", "--weights", onnx_file,
+                  "--predict_dir", tmp_path / "masks"], launcher="python",
+                 env=hide(tmp_path, "onnxruntime"))
+    assert res.returncode == 2 and "Traceback" not in res.output, res
+    assert res.output.strip().splitlines() == [
+        f"error: running {onnx_file} needs the onnxruntime package: "
+        f"pip install -r requirements-extras.txt"]
+
+
+def test_export_without_weights_is_one_line(tmp_path):
+    res = launch([MNIST, "--export", "onnx"], launcher="python")
+    assert res.returncode == 2
+    assert res.output.strip().splitlines() == [
+        "error: export needs weights: add --weights PATH/model.safetensors"]
+
+
+def test_bad_export_settings_are_rejected():
+    mnist, unet = load_recipe("mnist"), load_recipe("unet")
+    for config, args, message in [
+        (mnist, ["--export", "tflite", "--weights", "m.safetensors"], "export must be onnx"),
+        (mnist, ["--export", "onnx", "--weights", "m.safetensors", "--eval_only"],
+         "choose one of export and eval_only"),
+        (mnist, ["--export", "onnx", "--weights", "m.onnx"], "pass the .safetensors"),
+        (unet, ["--export", "onnx", "--weights", "m.safetensors", "--predict", "x.png"],
+         "choose one of predict and export"),
+        (unet, ["--weights", "m.onnx"], "an .onnx file only predicts"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_config(config.Config, args)
+
+
+def test_export_runs_on_one_process(mnist_weights, tiny_mnist):
+    res = launch([MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights],
+                 nproc=2)
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert res.returncode != 0 and errors == [
+        "error: export runs on one process: start it with python, not a multi-process launch"], res
+
+
+def test_an_export_that_differs_from_torch_is_one_line(tmp_path):
+    torch.manual_seed(0)
+    conv, x = torch.nn.Conv2d(3, 2, 3), torch.rand(2, 3, 8, 8)
+    write_onnx(conv, x, tmp_path / "conv.onnx", {"recipe": "test"}, {0: "batch"})
+    assert check_onnx(conv, tmp_path / "conv.onnx", [x, x[:1]]) <= 1e-4
+    with torch.no_grad():
+        conv.bias += 1e-3  # the file no longer matches the model
+    with pytest.raises(UserError, match=r"gives logits up to 1\.00e-03 away from PyTorch's on "
+                                        r"inputs of 2x3x8x8 and 1x3x8x8 \(tolerance 0\.0001\)"):
+        check_onnx(conv, tmp_path / "conv.onnx", [x, x[:1]])
+
+
+def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights):
+    data, _ = unet_weights
+    cfg = parse_config(load_recipe("unet").Config, ["--dataset", str(data), *map(str, UNET_DATA)])
+    for input_size, first, second in [([32, 40], (4, 3, 32, 40), (1, 3, 48, 72)),
+                                      (None, (4, 3, 48, 48), (1, 3, 64, 80))]:  # None: own size
+        weights = SegmentationWeights({}, [0, 85, 170, 255], input_size)
+        x, y = sample_images(cfg, weights)
+        assert (x.shape, y.shape) == (first, second)
+        assert x.dtype == torch.float32 and 0 <= x.min() < x.max() <= 1
