@@ -128,8 +128,11 @@ def describe(accelerator, batch):
     if precision == "fp16" and accelerator.device.type == "cpu":
         precision = "fp16 requested, but the CPU runs fp16 configs in fp32 (use bf16 on CPU)"
     backend = f", {accelerator.state.backend}" if accelerator.num_processes > 1 else ""
-    dynamo = accelerator.state.dynamo_plugin.backend  # the accelerate config's dynamo_backend
-    compiled = f", torch.compile backend {dynamo.value.lower()}" if dynamo.value != "NO" else ""
+    dynamo = accelerator.state.dynamo_plugin  # the accelerate config's dynamo_config
+    compiled = ""
+    if dynamo.backend.value != "NO":
+        mode = f" mode {dynamo.mode}" if dynamo.mode not in (None, "default") else ""
+        compiled = f", torch.compile backend {dynamo.backend.value.lower()}{mode}"
     if isinstance(batch, int):
         per_step = batch * accelerator.num_processes * accelerator.gradient_accumulation_steps
         batch = f"batch {batch} per process = {per_step} per optimizer step"

@@ -5,6 +5,7 @@
     python scripts/bench.py --dataset ylecun/mnist --steps 300   # full MNIST (hub or its local cache)
     python scripts/bench.py --recipe unet                    # U-Net on data/shapes: about 6 minutes on 2 CPU cores
     python scripts/bench.py --recipe unet --also channels_last compile   # and the recipe with these
+    python scripts/bench.py --recipe unet --dataset DIR --image_size 256 --batch_size 32   # a realistic size
     accelerate launch --config_file accelerate_configs/bf16.yaml --num_processes 1 scripts/bench.py
 
 One process trains the same model (the recipe's own class, optimizer settings, batch size and
@@ -37,6 +38,14 @@ compiled as the accelerate config's `dynamo_backend: INDUCTOR` compiles it (torc
 prepare()), to the same rounds; the report gives each one's speed over the plain recipe's.
 Compiling happens in the warm-up repetition.
 
+The U-Net bench also reports FLOP/s. The FLOPs of training on one sample are counted once, at
+start (torch.utils.flop_counter, one forward and backward at the run's image size); each
+variant's samples/s times that is its TFLOP/s, and its fraction of the peak is that over the
+TFLOP/s of a large square matrix product in the run's precision (fp32, or the accelerate
+config's bf16/fp16), timed before and after the rounds (the higher counts). `--image_size` and
+`--batch_size` set the recipe's sizes: data from `scripts/make_shapes.py --size 256` at
+`--image_size 256 --batch_size 32` is training as it looks on a GPU.
+
 Prints a table and writes JSON (default runs/bench/<recipe>.json). Not a test: the figures depend
 on the machine. Adding a recipe: write a `bench_<name>(args, accelerator)` like bench_mnist and
 add it to RECIPES with its defaults.
@@ -65,8 +74,11 @@ import torch.nn.functional as F  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 from PIL import Image  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from torchvision import transforms  # noqa: E402
 
+from common.config import UserError  # noqa: E402
+from common.determinism import set_deterministic  # noqa: E402
 from common.metrics import peak_memory_mb  # noqa: E402
 from common.progress import Progress  # noqa: E402
 from common.segmentation import load_data, loss_per_image, open_sources  # noqa: E402
@@ -286,8 +298,14 @@ def bench_unet(args, accelerator):
     """Set up the U-Net variants, as bench_mnist does."""
     unet = load_recipe("unet")
     device = accelerator.device
-    cfg = unet.Config(dataset=args.dataset, output_dir=args.workdir, max_steps=0, checkpoint_every_steps=0)
-    cfg.validate()
+    sizes = {k: getattr(args, k) for k in ("image_size", "batch_size") if getattr(args, k) is not None}
+    cfg = unet.Config(dataset=args.dataset, output_dir=args.workdir, max_steps=0, checkpoint_every_steps=0,
+                      **sizes)
+    try:
+        cfg.validate()
+    except UserError as e:  # --image_size or --batch_size out of range: one line, as the recipe says it
+        raise SystemExit(f"error: {e}") from None
+    set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)  # as main(): cudnn.benchmark
     if not (Path(cfg.dataset) / "imgs").is_dir():
         raise SystemExit(f"error: the U-Net bench needs a folder with imgs/ and masks/ (the classic loop opens "
                          f"the files), not {cfg.dataset}")
@@ -357,10 +375,15 @@ def bench_unet(args, accelerator):
 
         return setup
 
+    x, y = train_set[0]  # a training sample as the model sees it: resized and cropped
     info = {
         "dataset": cfg.dataset,
         "train_samples": len(train_set),
         "batch_size": cfg.batch_size,
+        "input_size": list(x.shape[1:]),
+        "flops_per_sample": flops_per_sample(
+            lambda: unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS}), x, y,
+            lambda logits, y: loss_per_image(logits, y, cfg.num_classes).mean()),
         "steps_per_rep": steps,
         "samples_per_rep": sum(sizes),
         "model": f"UNet(base_channels={cfg.base_channels})",
@@ -390,6 +413,86 @@ def bench_unet(args, accelerator):
         info["what"]["recipe_compile"] = "the recipe, model compiled (torch.compile, inductor) after prepare()"
         variants["recipe_compile"] = lambda: setup_recipe(compile_model=True)
     return info, variants
+
+
+# ------------------------------------------------------------------------- FLOPs and FLOP/s
+
+
+def flops_per_sample(build_model, x, y, loss_fn):
+    """FLOPs of training on one sample: forward and backward of the model and loss on a batch of
+    two like (x, y), counted by torch.utils.flop_counter (matrix products and convolutions, the
+    work that matters) on the meta device, where nothing is computed or stored."""
+    with torch.device("meta"):
+        model = build_model()
+        x, y = torch.empty(2, *x.shape), torch.empty(2, *y.shape, dtype=y.dtype)
+    with FlopCounterMode(display=False) as counter:
+        loss_fn(model(x), y).backward()
+    return counter.get_total_flops() // 2
+
+
+def peak_dtype(accelerator):
+    """The precision of the run's matrix products: fp32, or what mixed_precision asks for
+    (the CPU runs fp16 configs in fp32, see common.runtime.describe)."""
+    precision, device = accelerator.mixed_precision, accelerator.device
+    if precision == "bf16" or (precision == "fp16" and device.type == "cuda"):
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return torch.float32
+
+
+def matmul_peak(device, dtype, seconds=1.0):
+    """TFLOP/s of a large square matrix product in `dtype` on `device`: the peak that the run's
+    precision reaches here (8192 x 8192 on a GPU, 1024 x 1024 on a CPU). In fp32 on a GPU the
+    product may use TF32 when cuDNN's convolutions do (torch.backends.cudnn.allow_tf32, on by
+    default), so that a model in fp32 is compared with the arithmetic it runs in."""
+    n = 8192 if device.type == "cuda" else 1024
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    if device.type == "cuda" and dtype == torch.float32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32
+    try:
+        a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+        out = torch.empty_like(a)
+        for _ in range(3):
+            torch.mm(a, b, out=out)
+        products, start = 0, time.perf_counter()
+        while True:
+            sync(device)
+            if time.perf_counter() - start >= seconds and products:
+                break
+            for _ in range(10):
+                torch.mm(a, b, out=out)
+            products += 10
+        elapsed = time.perf_counter() - start
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return 2 * n**3 * products / elapsed / 1e12
+
+
+def peak_name(device, dtype):
+    name = str(dtype).removeprefix("torch.")
+    if device.type == "cuda" and dtype == torch.float32 and torch.backends.cudnn.allow_tf32:
+        name += " (TF32, as cuDNN convolutions)"
+    return name
+
+
+def flop_rates(results, flops, peaks):
+    """Each variant's TFLOP/s (median and best samples/s x FLOPs per sample) and its fraction of
+    the matrix-product peak, the higher of the two measured (before and after the rounds)."""
+    peak = max(peaks)
+    for res in results.values():
+        res["tflops"] = round(res["median_samples_per_s"] * flops / 1e12, 4)
+        res["tflops_best"] = round(res["best_samples_per_s"] * flops / 1e12, 4)
+        res["fraction_of_peak"] = round(res["tflops"] / peak, 4)
+        res["fraction_of_peak_best"] = round(res["tflops_best"] / peak, 4)
+    return peak
+
+
+def print_flop_rates(results, flops, peak, dtype_name):
+    print(f"\n{flops / 1e9:.1f} GFLOP per sample (forward + backward); matrix-product peak "
+          f"{peak:.3g} TFLOP/s in {dtype_name}")
+    print(f"{'variant':<12} {'TFLOP/s':>9} {'best':>8} {'of peak':>8} {'best':>6}")
+    for name, res in results.items():
+        print(f"{name:<12} {res['tflops']:>9.3g} {res['tflops_best']:>8.3g} "
+              f"{res['fraction_of_peak']:>8.1%} {res['fraction_of_peak_best']:>6.1%}")
 
 
 # Each recipe's bench, and its defaults for what the command line leaves out. A U-Net step takes
@@ -500,6 +603,8 @@ def main():
     p.add_argument("--json", help="where to write the results (default runs/bench/<recipe>.json)")
     p.add_argument("--also", nargs="+", default=[], choices=["channels_last", "compile"],
                    help="U-Net: also measure the recipe with channels_last, or compiled (see above)")
+    p.add_argument("--image_size", type=int, help="U-Net: the recipe's image_size (default: the recipe's)")
+    p.add_argument("--batch_size", type=int, help="U-Net: the recipe's batch_size (default: the recipe's)")
     args = p.parse_args()
     bench, defaults = RECIPES[args.recipe]
     for key, value in defaults.items():  # what the command line left out
@@ -508,8 +613,8 @@ def main():
     args.json = args.json or f"runs/bench/{args.recipe}.json"
     if args.steps < 0 or args.reps < 1 or args.warmup < 0 or args.threads < 1 or args.startup_runs < 0:
         p.error("--steps, --warmup and --startup_runs cannot be negative; --reps and --threads must be at least 1")
-    if args.also and args.recipe != "unet":
-        p.error("--also is for --recipe unet")
+    if (args.also or args.image_size is not None or args.batch_size is not None) and args.recipe != "unet":
+        p.error("--also, --image_size and --batch_size are for --recipe unet")
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -524,7 +629,18 @@ def main():
         print(f"{args.recipe}: {info['steps_per_rep']} steps = {info['samples_per_rep']} samples per repetition, "
               f"{args.warmup} warm-up + {args.reps} measured each, interleaved, {args.threads} threads, "
               f"{device.type} ({device_name(device)}), precision {accelerator.mixed_precision}", flush=True)
+        dynamo = accelerator.state.dynamo_plugin  # the accelerate config's dynamo_config
+        if dynamo.backend.value != "NO":
+            print(f"  prepare() compiles every model: backend {dynamo.backend.value.lower()}, mode {dynamo.mode}",
+                  flush=True)
+        flops, dtype = info.get("flops_per_sample"), peak_dtype(accelerator)
+        if flops:
+            print(f"  {flops / 1e9:.1f} GFLOP per sample; timing a matrix product in {peak_name(device, dtype)}",
+                  flush=True)
+            peaks = [matmul_peak(device, dtype)]
         results = measure(variants, device, args.warmup, args.reps)
+        if flops:
+            peaks.append(matmul_peak(device, dtype))  # again: the less disturbed of the two counts
         startup = []
         if args.startup_runs:
             print(f"  launching the recipe {args.startup_runs} time(s) to time start-up", flush=True)
@@ -542,6 +658,7 @@ def main():
         "torch": torch.__version__,
         "threads": args.threads,
         "precision": accelerator.mixed_precision,
+        "torch_compile": dynamo.to_dict() if dynamo.backend.value != "NO" else None,
         **{k: v for k, v in info.items() if k != "startup_marker"},
         "warmup_reps": args.warmup,
         "reps": args.reps,
@@ -592,6 +709,10 @@ def main():
         print(f"start-up to first step {report['startup_median_s']:.2f} s (median of "
               f"{', '.join(str(s['to_first_step_s']) for s in startup)}); whole 1-step smoke run "
               f"{statistics.median(s['to_exit_s'] for s in startup):.2f} s")
+    if flops:
+        report["matmul_peak_tflops"] = {"precision": peak_name(device, dtype), "measured": [round(p, 4) for p in peaks],
+                                        "used": round(flop_rates(results, flops, peaks), 4)}
+        print_flop_rates(results, flops, report["matmul_peak_tflops"]["used"], peak_name(device, dtype))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -10,6 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from common.checkpoint import _WROTE, choose_checkpoint
@@ -110,6 +111,33 @@ def test_compiled_ddp_model_resumes_exactly_and_saves_plain_weights(tiny_mnist, 
     assert_identical(weights(straight), weights(split))  # dropout included: its RNG state resumes too
     # model.safetensors has the plain model's keys, not torch.compile's `_orig_mod.` ones.
     assert "conv1.weight" in weights(straight) and not any(k.startswith("_orig_mod.") for k in weights(straight))
+
+
+def test_cuda_graphs_config_resumes_exactly_and_evaluates_every_sample(tiny_mnist, tmp_path):
+    # The dynamo_config of the shipped accelerate_configs/1gpu_cudagraphs.yaml on 2 processes:
+    # the CPU compiles without CUDA graphs, but the config must load and the step stay exact.
+    shipped = yaml.safe_load((REPO / "accelerate_configs" / "1gpu_cudagraphs.yaml").read_text())
+    config = tmp_path / "cudagraphs-2proc.yaml"
+    two = yaml.safe_load((REPO / "accelerate_configs" / "2gpu.yaml").read_text())
+    config.write_text(yaml.safe_dump({**two, "dynamo_config": shipped["dynamo_config"]}))
+    args = ["--epochs", 2, "--batch_size", 48, "--eval_batch_size", 256]
+
+    def run(out, *more):
+        res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, *args, *more], nproc=2,
+                     config=config)
+        assert_ok(res)
+        assert "torch.compile backend inductor mode reduce-overhead" in res.output
+        return res
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run(straight)
+    run(split, "--max_steps", 2)  # mid-epoch 1: 3 steps of 48 an epoch per rank (even_batches)
+    assert "(epoch 1, step 2)" in run(split, "--resume", "latest").output
+    assert_identical(weights(straight), weights(split))
+    # 1001 test samples over 2 ranks x 256: the padding of the last batch is never counted.
+    # split: after the stop at step 2, and after epochs 1 and 2.
+    assert [r["eval_samples"] for r in read_metrics(straight)] == [N_TEST] * 2
+    assert [r["eval_samples"] for r in read_metrics(split)] == [N_TEST] * 3
 
 
 def test_keep_last_checkpoints_and_ignore_unfinished_writes(tiny_mnist, tmp_path):
