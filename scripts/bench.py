@@ -5,6 +5,7 @@
     python scripts/bench.py --dataset ylecun/mnist --steps 300   # full MNIST (hub or its local cache)
     python scripts/bench.py --recipe unet                    # U-Net on data/shapes: about 6 minutes on 2 CPU cores
     python scripts/bench.py --recipe unet --also channels_last compile   # and the recipe with these
+    python scripts/bench.py --recipe unet --loader "" "--num_workers 4"  # the data path alone, no model
     accelerate launch --config_file accelerate_configs/bf16.yaml --num_processes 1 scripts/bench.py
 
 One process trains the same model (the recipe's own class, optimizer settings, batch size and
@@ -37,6 +38,11 @@ compiled as the accelerate config's `dynamo_backend: INDUCTOR` compiles it (torc
 prepare()), to the same rounds; the report gives each one's speed over the plain recipe's.
 Compiling happens in the warm-up repetition.
 
+`--loader FLAGS...` (U-Net) measures the data path alone instead: the images/s that the recipe's
+training loader yields, built by load_data() and prepared as main() prepares it, with no model;
+one variant per FLAGS, recipe settings over the defaults ("" for the defaults), in the same
+interleaved rounds of whole epochs, after one warm-up epoch (which starts the workers).
+
 Prints a table and writes JSON (default runs/bench/<recipe>.json). Not a test: the figures depend
 on the machine. Adding a recipe: write a `bench_<name>(args, accelerator)` like bench_mnist and
 add it to RECIPES with its defaults.
@@ -44,9 +50,11 @@ add it to RECIPES with its defaults.
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -67,6 +75,7 @@ from PIL import Image  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from torchvision import transforms  # noqa: E402
 
+from common.config import parse_config  # noqa: E402
 from common.metrics import peak_memory_mb  # noqa: E402
 from common.progress import Progress  # noqa: E402
 from common.segmentation import load_data, loss_per_image, open_sources  # noqa: E402
@@ -392,6 +401,71 @@ def bench_unet(args, accelerator):
     return info, variants
 
 
+def bench_loader(args, accelerator):
+    """The U-Net's data path alone: one variant per --loader entry (recipe flags over the
+    defaults), each rep() one epoch of the training loader, prepared as main() prepares it, with
+    nothing done to the batches. rep.setup_s: seconds to build it (decoding, if it caches)."""
+    unet = load_recipe("unet")
+    variants = {}
+
+    def setup(flags):
+        cfg = parse_config(unet.Config, ["--dataset", args.dataset, "--output_dir", args.workdir,
+                                         *shlex.split(flags)])
+        start = time.perf_counter()
+        data = load_data(cfg, accelerator, *unet.transforms(cfg))
+        loader = accelerator.prepare(data.train_loader)
+        epochs = itertools.count()
+
+        def rep():
+            epoch = next(epochs)
+            loader.set_epoch(epoch)
+            loader.dataset.epoch = epoch
+            images = 0
+            for _, y in loader:
+                images += len(y)
+            return images
+
+        rep.setup_s = round(time.perf_counter() - start, 3)
+        rep.data = str(data)
+        return rep
+
+    for flags in args.loader:
+        variants[flags or "defaults"] = lambda flags=flags: setup(flags)
+    return variants
+
+
+def report_loader(args, accelerator):
+    """Run bench_loader's variants in interleaved rounds; print a table, write the JSON."""
+    variants = bench_loader(args, accelerator)
+    device = accelerator.device
+    print(f"unet loader: {args.dataset}, {args.warmup} warm-up + {args.reps} measured epochs each, "
+          f"interleaved, {args.threads} threads, {device.type} ({device_name(device)})", flush=True)
+    setups = {}
+
+    def keep(name, setup):  # remember each variant's set-up time and data line
+        def wrapped():
+            rep = setup()
+            setups[name] = {"setup_s": rep.setup_s, "data": rep.data}
+            return rep
+        return wrapped
+
+    results = measure({name: keep(name, setup) for name, setup in variants.items()}, device, args.warmup,
+                      args.reps)
+    print(f"\n{'images/s median':>15} {'best':>8} {'set-up s':>9}  variant (recipe flags)")
+    for name, res in results.items():
+        res.update(setups[name])
+        print(f"{rate(res['median_samples_per_s']):>15} {rate(res['best_samples_per_s']):>8} "
+              f"{res['setup_s']:>9.2f}  {name}: {res['data']}")
+    load = os.getloadavg()[0]
+    print(f"load average {load:.2f} after, on {os.cpu_count()} cores")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"recipe": "unet", "mode": "loader", "dataset": args.dataset,
+                               "device": device.type, "device_name": device_name(device),
+                               "threads": args.threads, "reps": args.reps, "variants": results}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 # Each recipe's bench, and its defaults for what the command line leaves out. A U-Net step takes
 # about 0.8 s on 2 CPU cores, so the U-Net measures 3 repetitions, not 7: 4 variants x (1 + 3)
 # epochs of data/shapes (23 steps) take about 5 minutes there. Still whole epochs: a shorter
@@ -498,6 +572,9 @@ def main():
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, all variants")
     p.add_argument("--startup_runs", type=int, default=3, help="recipe launches to time (0: skip)")
     p.add_argument("--json", help="where to write the results (default runs/bench/<recipe>.json)")
+    p.add_argument("--loader", nargs="*", metavar="FLAGS",
+                   help='U-Net: measure the training loader alone, once per FLAGS (recipe settings, "" for '
+                        'the defaults), with no model (see above)')
     p.add_argument("--also", nargs="+", default=[], choices=["channels_last", "compile"],
                    help="U-Net: also measure the recipe with channels_last, or compiled (see above)")
     args = p.parse_args()
@@ -505,11 +582,14 @@ def main():
     for key, value in defaults.items():  # what the command line left out
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.json = args.json or f"runs/bench/{args.recipe}.json"
+    args.json = args.json or f"runs/bench/{args.recipe}{'_loader' if args.loader is not None else ''}.json"
     if args.steps < 0 or args.reps < 1 or args.warmup < 0 or args.threads < 1 or args.startup_runs < 0:
         p.error("--steps, --warmup and --startup_runs cannot be negative; --reps and --threads must be at least 1")
     if args.also and args.recipe != "unet":
         p.error("--also is for --recipe unet")
+    if args.loader is not None and args.recipe != "unet":
+        p.error("--loader is for --recipe unet")
+    args.loader = [""] if args.loader == [] else args.loader
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -519,6 +599,13 @@ def main():
     device = accelerator.device
     workdir = tempfile.mkdtemp(prefix="bench-")
     args.workdir = str(Path(workdir) / "recipe")
+    if args.loader:
+        try:
+            report_loader(args, accelerator)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        close(accelerator)
+        return
     try:
         info, variants = bench(args, accelerator)
         print(f"{args.recipe}: {info['steps_per_rep']} steps = {info['samples_per_rep']} samples per repetition, "
