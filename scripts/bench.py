@@ -50,6 +50,7 @@ add it to RECIPES with its defaults.
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -297,11 +298,12 @@ def bench_unet(args, accelerator):
     device = accelerator.device
     cfg = unet.Config(dataset=args.dataset, output_dir=args.workdir, max_steps=0, checkpoint_every_steps=0)
     cfg.validate()
+    cfg = dataclasses.replace(cfg, channels_last=str(device.type == "cuda").lower())  # as main() reads auto
     if not (Path(cfg.dataset) / "imgs").is_dir():
         raise SystemExit(f"error: the U-Net bench needs a folder with imgs/ and masks/ (the classic loop opens "
                          f"the files), not {cfg.dataset}")
     # The recipe's own data path, as its main() builds it on one process.
-    data = load_data(cfg, accelerator, *unet.transforms(cfg))
+    data = load_data(cfg, accelerator, functools.partial(unet.augment, cfg=cfg))
     cfg = dataclasses.replace(cfg, num_classes=data.num_classes)
     train_loader, values = data.train_loader, data.values
     train_source, _ = open_sources(cfg)  # the image and mask files, for the classic loop
@@ -312,7 +314,7 @@ def bench_unet(args, accelerator):
     def new_model(cfg=cfg, tutorial=False):
         set_seed(cfg.seed)  # the same initial weights in every variant
         model = unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS})
-        if cfg.channels_last:
+        if cfg.channels_last == "true":
             model = model.to(memory_format=torch.channels_last)
         if tutorial:  # the recipe's AdamW settings, with the foreach kernels that milesial asks for
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
@@ -394,7 +396,7 @@ def bench_unet(args, accelerator):
     }
     if "channels_last" in args.also:
         info["what"]["recipe_cl"] = "the recipe with --channels_last true (model and batches NHWC)"
-        variants["recipe_cl"] = lambda: setup_recipe(dataclasses.replace(cfg, channels_last=True))
+        variants["recipe_cl"] = lambda: setup_recipe(dataclasses.replace(cfg, channels_last="true"))
     if "compile" in args.also:
         info["what"]["recipe_compile"] = "the recipe, model compiled (torch.compile, inductor) after prepare()"
         variants["recipe_compile"] = lambda: setup_recipe(compile_model=True)
@@ -412,7 +414,7 @@ def bench_loader(args, accelerator):
         cfg = parse_config(unet.Config, ["--dataset", args.dataset, "--output_dir", args.workdir,
                                          *shlex.split(flags)])
         start = time.perf_counter()
-        data = load_data(cfg, accelerator, *unet.transforms(cfg))
+        data = load_data(cfg, accelerator, functools.partial(unet.augment, cfg=cfg))
         loader = accelerator.prepare(data.train_loader)
         epochs = itertools.count()
 
