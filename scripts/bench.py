@@ -79,7 +79,7 @@ from torchvision import transforms  # noqa: E402
 from common.config import parse_config  # noqa: E402
 from common.metrics import peak_memory_mb  # noqa: E402
 from common.progress import Progress  # noqa: E402
-from common.segmentation import load_data, loss_per_image, open_sources  # noqa: E402
+from common.segmentation import load_data, loss_per_image, open_sources, worker_count  # noqa: E402
 from common.runtime import build_accelerator, close  # noqa: E402
 from recipe_module import load_recipe  # noqa: E402  (tests/recipe_module.py)
 
@@ -307,6 +307,7 @@ def bench_unet(args, accelerator):
     cfg = dataclasses.replace(cfg, num_classes=data.num_classes)
     train_loader, values = data.train_loader, data.values
     train_source, _ = open_sources(cfg)  # the image and mask files, for the classic loop
+    workers = worker_count(cfg.num_workers, 1)  # the recipe's when it does not cache
     train_set = train_loader.dataset
     epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset)
     steps = len(sizes)
@@ -377,7 +378,7 @@ def bench_unet(args, accelerator):
         "model": f"UNet(base_channels={cfg.base_channels})",
         "optimizer": f"AdamW(lr={cfg.lr}, weight_decay={cfg.weight_decay}), gradient norm clipped to {cfg.grad_clip}; "
                      f"recipe and bound: make_optimizer (fused kernels, except under fp16); classic: foreach kernels",
-        "recipe_loop": f"common/segmentation.py load_data + recipes/unet.py train_one_epoch (num_workers {cfg.num_workers})",
+        "recipe_loop": f"common/segmentation.py load_data ({data.reading}) + recipes/unet.py train_one_epoch",
         "startup_cmd": [sys.executable, "recipes/unet.py", "--dataset", cfg.dataset, "--smoke",
                         "--smoke_steps", "1"],
         "startup_marker": "unet: ",  # main() prints this line after data, model and prepare()
@@ -385,14 +386,14 @@ def bench_unet(args, accelerator):
             "recipe": "recipe's make_loaders + train_one_epoch",
             "bound": "float batches already on the device",
             "classic_w0": "PIL -> numpy -> tensor per sample, DataLoader num_workers 0",
-            f"classic_w{cfg.num_workers}": f"the same with num_workers {cfg.num_workers}, as the recipe",
+            f"classic_w{workers}": f"the same with num_workers {workers}, as the recipe streams with",
         },
     }
     variants = {
         "recipe": setup_recipe,
         "bound": setup_bound,
         "classic_w0": setup_classic(0),
-        f"classic_w{cfg.num_workers}": setup_classic(cfg.num_workers),
+        f"classic_w{workers}": setup_classic(workers),
     }
     if "channels_last" in args.also:
         info["what"]["recipe_cl"] = "the recipe with --channels_last true (model and batches NHWC)"
