@@ -416,9 +416,10 @@ class SegmentationData:
 
 
 def cpus_per_process(processes):
-    """The CPU cores this process may use, shared out between the processes of this machine."""
+    """The CPU cores this process may use, shared out between the processes of this machine
+    (LOCAL_WORLD_SIZE, set by torchrun and accelerate launch; else all `processes`)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // processes)
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", processes)))
 
 
 def worker_count(num_workers, processes):
