@@ -428,8 +428,10 @@ class RunConfig:
         """The checks every recipe needs; a recipe's validate() calls this, then adds its own."""
         require_at_least(self, 1, "epochs", "batch_size", "eval_batch_size", "gradient_accumulation_steps",
                          "smoke_steps", "log_every", "keep_checkpoints")
-        require_at_least(self, 0, "num_workers", "max_steps", "checkpoint_every_steps", "early_stop_patience")
+        require_at_least(self, 0, "max_steps", "checkpoint_every_steps", "early_stop_patience")
         require(0 <= self.ema_decay < 1, f"ema_decay must be in [0, 1), such as 0.999, got {self.ema_decay}")
+        lowest = -1 if type(self).num_workers == -1 else 0  # -1: a recipe that picks them from the CPUs
+        require(self.num_workers >= lowest, f"num_workers must be at least {lowest}, got {self.num_workers}")
         require(self.lr > 0, f"lr must be positive, got {self.lr}")
         require(not (self.weights and self.resume), "weights and resume both load a model: pass one of them")
         require(not self.eval_only or self.weights or self.resume,

@@ -148,7 +148,7 @@ def _parse_sizes(sizes):
 
 
 def bucket_loader(dataset, sizes, max_batch_pixels, accelerator, train, seed=0, max_batch_size=None,
-                  collate_fn=None, num_workers=0):
+                  collate_fn=None, num_workers=0, pin_memory=None):
     """A DataLoader of this rank's bucketed batches, on the accelerator's device.
 
     train=True: reshuffled every epoch (call `loader.set_epoch(epoch)`), the same number of
@@ -156,14 +156,15 @@ def bucket_loader(dataset, sizes, max_batch_pixels, accelerator, train, seed=0, 
     train=False: in size order, every sample on exactly one rank once; ranks may differ by one
     batch, so reduce the results once after the loop (see the module docstring).
     `collate_fn` must pad the samples of a batch to a common size.
+    pin_memory: None pins on a GPU; pass False for a dataset whose batches are on the GPU already.
     """
     sampler = BucketBatchSampler(sizes, max_batch_pixels, accelerator.num_processes, accelerator.process_index,
                                  seed=seed, shuffle=train, max_batch_size=max_batch_size, even_batches=train)
-    on_gpu = accelerator.device.type == "cuda"
+    pin_memory = accelerator.device.type == "cuda" if pin_memory is None else pin_memory
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers,
                         persistent_workers=num_workers > 0,  # not restarted every epoch
                         worker_init_fn=ignore_stop_signals,  # Ctrl-C is the training process's to handle
-                        pin_memory=on_gpu)  # with non_blocking: the copy to the GPU does not wait for it
+                        pin_memory=pin_memory)  # with non_blocking: the copy to the GPU does not wait for it
     # num_processes=1: the sampler is already this rank's shard; Accelerate must not deal it out again.
     return prepare_data_loader(loader, accelerator.device, num_processes=1, process_index=0,
                                put_on_device=accelerator.device_placement, non_blocking=accelerator.non_blocking)

@@ -3,7 +3,7 @@ loaders (plain or bucketed by size), the Dice counts, the settings stored in a w
 and predict. A recipe keeps what a user adapts: the model, the augmentation and the loss.
 
     weights = SegmentationWeights.read(cfg.weights) if cfg.weights else None
-    data = load_data(cfg, accelerator, train_transform, val_transform, weights)
+    data = load_data(cfg, accelerator, augment, weights)  # augment(images, masks, rand): training batches
     data.train_loader, data.val_loader, data.values, data.num_classes, data.input_size
 
 Data comes as a folder with imgs/ and masks/ (the Carvana layout: imgs/NAME.jpg with
@@ -16,6 +16,8 @@ import dataclasses
 import glob
 import itertools
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -27,8 +29,7 @@ from accelerate.utils import gather_object
 from PIL import Image
 from safetensors import SafetensorError, safe_open
 from torch.utils.data import DataLoader, Dataset
-from torchvision import tv_tensors
-from torchvision.transforms.v2.functional import pil_to_tensor, resize
+from torchvision.transforms.v2.functional import InterpolationMode, pil_to_tensor, resize
 
 from common.checkpoint import load_weights
 from common.config import RunConfig, UserError, require, require_at_least
@@ -41,6 +42,8 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".we
 IGNORE = -1  # the class of padded pixels: no loss, no Dice
 PAD_MULTIPLE = 16  # bucketed batches are padded to a multiple of 16: the U-Net halves 4 times
 SHAPES = "data/shapes"  # the U-Net's default data, made by `make data/shapes`
+RANDOMS = 8  # uniform random numbers per training sample that an augmentation gets (rand[n])
+CACHE_BUDGET_GB = 4  # cache_images auto: decode once if images and masks take at most this per process
 
 
 @dataclass
@@ -58,6 +61,8 @@ class SegmentationConfig(RunConfig):
     # Images of different sizes: train and evaluate each at its own size, in similar-size batches.
     bucket_by_size: bool = False  # batches padded to their largest image; loss and Dice skip padding
     max_batch_pixels: int = 0  # bucket_by_size: padded pixels per batch; 0: batch_size x largest
+    # Decoding: once at start-up, into memory (a GPU's with CUDA), or at every read in DataLoader workers.
+    cache_images: str = "auto"  # true, false, or auto: decode once if images + masks take at most 4 GiB
     # Predict: write masks for new images with `weights`, whose file holds the model settings.
     predict: Optional[str] = None  # an image file or glob
     predict_dir: Optional[str] = None  # where the NAME_mask.png go; default output_dir/predictions
@@ -69,6 +74,8 @@ class SegmentationConfig(RunConfig):
     def validate(self):
         super().validate()
         require_at_least(self, 0, "num_classes", "max_batch_pixels")
+        require(self.cache_images in ("auto", "true", "false"),
+                f"cache_images must be auto, true or false, got {self.cache_images!r}")
         require(0 < self.val_fraction < 1, f"val_fraction must be between 0 and 1, got {self.val_fraction}")
         if self.mask_values:
             count = value_count(self.num_classes) if self.num_classes else None
@@ -171,7 +178,7 @@ def read_pair(image, mask, name):
     """A PIL image and its mask as an integer array of pixel values (grey levels or palette indices).
 
     Files are opened, and the mask decoded: a file PIL cannot read stops with a DataError naming
-    it. The image's pixels are decoded when used (SegmentationSet), so a scan reads only its header."""
+    it. The image's pixels are decoded when used (decode_pair), so a scan reads only its header."""
     image, mask = (open_image(p, kind) if isinstance(p, Path) else p for p, kind in ((image, "image"), (mask, "mask")))
     if not isinstance(mask, Image.Image):
         raise DataError(f"{name}: the mask is a {type(mask).__name__}, not an image: check mask_column")
@@ -264,16 +271,23 @@ def classes_and_size(cfg, found, sizes, weights):
 
 
 class SegmentationSet(Dataset):
-    """(uint8 image [3, H, W], int64 class indices [H, W]) after the joint transforms.
+    """Whole batches, read a batch at a time (`__getitems__`): uint8 images [N, 3, H, W] and int64
+    class indices [N, H, W], then `augment(images, masks, rand)` if given (training).
 
-    The random transforms of sample i in epoch e draw from a generator seeded with (seed, e, i):
-    the same augmentation whatever the number of workers or processes, and after a resume.
-    The recipe sets `epoch` before each epoch. It lives in shared memory, so persistent
-    DataLoader workers (started once, not every epoch) see the new value too.
+    The images come decoded from `cache` (decode_all, on any device: a batch is gathered there
+    and augmented there), or else are decoded from `source` at every read, in DataLoader
+    workers. `pad`: images of different sizes, padded per batch (pad_collate).
+
+    rand[n] holds RANDOMS uniform numbers for the n-th sample of the batch, drawn from a
+    generator seeded with (seed, epoch, sample index): the same augmentation whatever the
+    number of workers or processes, cached or not, and after a resume. The recipe sets `epoch`
+    before each epoch. It lives in shared memory, so persistent DataLoader workers (started
+    once, not every epoch) see the new value too.
     """
 
-    def __init__(self, source, values, transform, seed):
-        self.source, self.values, self.transform, self.seed = source, values, transform, seed
+    def __init__(self, source, values, size, seed, augment=None, cache=None, pad=False):
+        self.source, self.values, self.size, self.seed = source, values, size, seed
+        self.augment, self.cache, self.pad = augment, cache, pad
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     @property
@@ -288,22 +302,93 @@ class SegmentationSet(Dataset):
         return len(self.source)
 
     def __getitem__(self, i):
-        path, mask, name = self.source[i]  # a table row is decoded here, once
-        image, values = read_pair(path, mask, name)
-        try:
-            image = image.convert("RGB")  # decodes an image file: scan_masks read only its header
-        except IMAGE_ERRORS as e:  # such as a truncated file
-            raise unreadable_image(path if isinstance(path, Path) else name, e) from None
-        mask = np.zeros(values.shape, np.int64)
-        for c, v in enumerate(self.values):  # scan_masks made sure that no other value occurs
-            mask[values == v] = c
-        image = tv_tensors.Image(pil_to_tensor(image))
-        with torch.random.fork_rng(devices=[]):  # leave the global RNG (dropout, init) untouched
-            # The CPU generator only: torch.manual_seed() would also queue a CUDA seeding, which
-            # costs more than reading a small sample (docs/performance.md).
-            torch.default_generator.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_003 + i)
-            image, mask = self.transform(image, tv_tensors.Mask(torch.from_numpy(mask)))
-        return image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor)
+        images, masks = self.__getitems__([i])
+        return images[0], masks[0]
+
+    def __getitems__(self, indices):
+        if self.cache is None:
+            pairs = [decode_pair(self.source, i, self.values, self.size) for i in indices]
+        elif self.pad:  # a list of images of their own sizes
+            pairs = [(self.cache[0][i], self.cache[1][i]) for i in indices]
+        else:  # one gather per tensor, where the cache is
+            index = to_device(torch.as_tensor(indices), self.cache[0].device)
+            images, masks = self.cache[0].index_select(0, index), self.cache[1].index_select(0, index).long()
+        if self.cache is None or self.pad:
+            pairs = [(image, mask.long()) for image, mask in pairs]
+            images, masks = pad_collate(pairs) if self.pad else (torch.stack(t) for t in zip(*pairs))
+        if self.augment is None:
+            return images, masks
+        return self.augment(images, masks, self.randoms(indices))
+
+    def randoms(self, indices):
+        """[len(indices), RANDOMS] uniform numbers in [0, 1), each row from its sample's seed."""
+        gen, base = torch.Generator(), (self.seed * 1_000_003 + self.epoch) * 1_000_003
+        return torch.stack([torch.rand(RANDOMS, generator=gen.manual_seed(base + i)) for i in indices])
+
+
+def to_device(tensor, device):
+    """A CPU tensor on `device`; to a GPU from pinned memory, so that the copy does not wait for
+    the GPU's queued work."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def crop_and_flip(images, masks, rand, crop=0, hflip=0.0, vflip=0.0):
+    """The same crop and flips for each image of a batch and its mask, per sample, on the batch's
+    device: a crop x crop window at a random place (rand[n, 0] and rand[n, 1]; crop 0: the
+    whole image), flipped left to right if rand[n, 2] < hflip and upside down if rand[n, 3] <
+    vflip. images [N, C, H, W], masks [N, H, W]. The windows are views; one copy stacks them."""
+    if not (crop or hflip or vflip):
+        return images, masks
+    height, width = images.shape[-2:]
+    h, w = crop or height, crop or width
+    out = []
+    for image, mask, (row, col, left_right, up_down, *_) in zip(images, masks, rand.tolist()):
+        top, left = min(int(row * (height - h + 1)), height - h), min(int(col * (width - w + 1)), width - w)
+        image, mask = image[:, top : top + h, left : left + w], mask[top : top + h, left : left + w]
+        flips = [dim for dim, p, u in ((-1, hflip, left_right), (-2, vflip, up_down)) if u < p]
+        out.append((image.flip(flips), mask.flip(flips)) if flips else (image, mask))
+    return torch.stack([image for image, _ in out]), torch.stack([mask for _, mask in out])
+
+
+def decode_pair(source, i, values, size=None):
+    """Sample i of `source` as uint8 tensors: the RGB image [3, H, W] and its class indices
+    [H, W] (int64 for more than 256 classes), resized to `size` (height, width) if given: the
+    image antialiased, the mask by nearest neighbour. A DataError names a file that fails."""
+    path, mask, name = source[i]  # a table row is decoded here, once
+    image, mask_values = read_pair(path, mask, name)
+    try:
+        image = image.convert("RGB")  # decodes an image file: scan_masks read only its header
+    except IMAGE_ERRORS as e:  # such as a truncated file
+        raise unreadable_image(path if isinstance(path, Path) else name, e) from None
+    lut = np.zeros(max(max(values), int(mask_values.max())) + 1, np.uint8 if len(values) <= 256 else np.int64)
+    lut[values] = np.arange(len(values))  # scan_masks made sure that no other value occurs
+    image, classes = pil_to_tensor(image), torch.from_numpy(lut[mask_values])
+    if size is not None and tuple(classes.shape) != tuple(size):
+        image = resize(image, list(size), antialias=True)
+        classes = resize(classes[None], list(size), InterpolationMode.NEAREST)[0]
+    return image, classes
+
+
+def decode_all(source, values, size, threads):
+    """Every sample of `source`, decoded once by decode_pair() on `threads` threads: (images,
+    masks), two stacked tensors when `size` is given, else two lists. The first bad file in the
+    source's order stops it, so every process that decodes the same source says the same."""
+    n = len(source)
+    if size is None:
+        images, masks = [None] * n, [None] * n
+    else:
+        images = torch.empty(n, 3, *size, dtype=torch.uint8)
+        masks = torch.empty(n, *size, dtype=torch.uint8 if len(values) <= 256 else torch.int64)
+
+    def put(i):
+        images[i], masks[i] = decode_pair(source, i, values, size)
+
+    with ThreadPoolExecutor(threads) as pool:  # PIL and resize let go of the GIL while they work
+        for _ in pool.map(put, range(n)):  # raises the first failure in order
+            pass
+    return images, masks
 
 
 def padded(n):
@@ -333,51 +418,86 @@ class SegmentationData:
     max_batch_pixels: int  # bucket_by_size: the padded pixels of a training batch; else 0
     batch: object  # for common.runtime.describe(): the batch size, or what a bucketed batch holds
     shapes: str  # the images' size, for the start-up line
+    reading: str  # how the images are read: cached or decoded per read, for the start-up line
 
     def __str__(self):
         sigmoid = " (one sigmoid output)" if self.num_classes == 1 else ""
-        return (f"{len(self.train_loader.dataset)} train / {len(self.val_loader.dataset)} validation images of "
-                f"{self.shapes}; classes: mask values {','.join(map(str, self.values))}{sigmoid}")
+        return (f"{self.reading}; {len(self.train_loader.dataset)} train / {len(self.val_loader.dataset)} "
+                f"validation images of {self.shapes}; classes: mask values {','.join(map(str, self.values))}{sigmoid}")
 
 
-def load_data(cfg, accelerator, train_transform, val_transform, weights=None):
+def cpus_per_process(processes):
+    """The CPU cores this process may use, shared out between the processes of this machine
+    (LOCAL_WORLD_SIZE, set by torchrun and accelerate launch; else all `processes`)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", processes)))
+
+
+def worker_count(num_workers, processes):
+    """num_workers; -1: a worker per CPU core of this process's share, less one for the process
+    itself, at most 8 (an H100 machine's 16 cores: 8 workers gave 1.7x over 2, 14 no more)."""
+    return num_workers if num_workers >= 0 else min(8, max(1, cpus_per_process(processes) - 1))
+
+
+def load_data(cfg, accelerator, augment=None, weights=None):
     """Open the data, check every mask on all processes, and build the training and validation
     loaders: plain ones for accelerator.prepare() to shard, or with bucket_by_size, bucketed
     ones that are sharded and on the device already (do not prepare them).
 
+    augment(images, masks, rand): the training batches' augmentation (see SegmentationSet).
+    cache_images: every process decodes all the images once, into its own memory, on the
+    accelerator's device (a GPU's memory cannot be shared with the other processes' GPUs), and
+    gathers its batches there, with no workers; otherwise DataLoader workers decode every read.
     weights: the SegmentationWeights of --weights, whose mask values are the classes."""
     train_source, val_source = open_sources(cfg)
     require_one_batch_per_process(len(train_source), cfg.batch_size, accelerator, "the training data")
     found, sizes = scan_masks(accelerator, [train_source, val_source])
     values, num_classes, input_size = classes_and_size(cfg, found, sizes, weights)
+    pixels = sum(h * w for source_sizes in sizes for h, w in source_sizes)
+    if input_size is not None:
+        pixels = sum(map(len, sizes)) * input_size[0] * input_size[1]
+    size_gb = 4 * pixels / 2**30  # uint8 RGB and one byte of class per pixel
+    cached = cfg.cache_images == "true" or (cfg.cache_images == "auto" and size_gb <= CACHE_BUDGET_GB)
+    device, workers = accelerator.device, 0 if cached else worker_count(cfg.num_workers, accelerator.num_processes)
+    if cached:
+        reading = f"images decoded once, {size_gb * 1024:.0f} MB in {device.type} memory"
+    else:
+        where = f"by {workers} DataLoader worker(s) per process" if workers else "in the training process"
+        reading = f"images decoded at every read {where}"
 
-    def dataset(source, transform):
-        return SegmentationSet(source, values, transform, cfg.seed)
+    def dataset(source, augment):
+        cache = None
+        if cached:
+            images, masks = decode_all(source, values, input_size, cpus_per_process(accelerator.num_processes))
+            move = (lambda t: t.to(device)) if input_size else (lambda ts: [t.to(device) for t in ts])
+            cache = move(images), move(masks)
+        return SegmentationSet(source, values, input_size, cfg.seed, augment, cache, pad=cfg.bucket_by_size)
 
+    train_set, val_set = dataset(train_source, augment), dataset(val_source, None)
+    pin = device.type == "cuda" and not cached  # with non_blocking: the copy to the GPU does not wait
     if not cfg.bucket_by_size:
         # Each loader has its own generator, so starting an epoch does not draw from the global
         # RNG and a resumed run continues with the same random numbers as an uninterrupted one.
-        # Persistent workers: starting them every epoch costs seconds.
-        def loader(source, transform, batch_size, shuffle):
-            return DataLoader(dataset(source, transform), batch_size, shuffle=shuffle,
-                              num_workers=cfg.num_workers, persistent_workers=cfg.num_workers > 0,
-                              pin_memory=accelerator.device.type == "cuda", worker_init_fn=ignore_stop_signals,
+        # Persistent workers: starting them every epoch costs seconds. collate_fn=tuple: the
+        # dataset returns whole batches.
+        def loader(dataset, batch_size, shuffle):
+            return DataLoader(dataset, batch_size, shuffle=shuffle, collate_fn=tuple, num_workers=workers,
+                              persistent_workers=workers > 0, pin_memory=pin, worker_init_fn=ignore_stop_signals,
                               generator=torch.Generator().manual_seed(cfg.seed))
 
-        train = loader(train_source, train_transform, cfg.batch_size, True)
-        val = loader(val_source, val_transform, cfg.eval_batch_size, False)
+        train = loader(train_set, cfg.batch_size, True)
+        val = loader(val_set, cfg.eval_batch_size, False)
         return SegmentationData(train, val, values, num_classes, input_size, 0, cfg.batch_size,
-                                f"{input_size[1]}x{input_size[0]}")
+                                f"{input_size[1]}x{input_size[0]}", reading)
     # A budget of padded pixels per batch; validation gets eval_batch_size / batch_size times more.
     train_sizes, val_sizes = ([(padded(h), padded(w)) for h, w in source_sizes] for source_sizes in sizes)
     budget = cfg.max_batch_pixels or cfg.batch_size * max(h * w for h, w in train_sizes)
-    train = bucket_loader(dataset(train_source, train_transform), train_sizes, budget, accelerator,
-                          train=True, seed=cfg.seed, collate_fn=pad_collate, num_workers=cfg.num_workers)
-    val = bucket_loader(dataset(val_source, val_transform), val_sizes,
-                        max(budget * cfg.eval_batch_size // cfg.batch_size, 1), accelerator, train=False,
-                        collate_fn=pad_collate, num_workers=cfg.num_workers)
+    train = bucket_loader(train_set, train_sizes, budget, accelerator, train=True, seed=cfg.seed,
+                          collate_fn=tuple, num_workers=workers, pin_memory=pin)
+    val = bucket_loader(val_set, val_sizes, max(budget * cfg.eval_batch_size // cfg.batch_size, 1), accelerator,
+                        train=False, collate_fn=tuple, num_workers=workers, pin_memory=pin)
     batch = f"batches of at most {budget} padded pixels per process"
-    return SegmentationData(train, val, values, num_classes, None, budget, batch, "their own sizes")
+    return SegmentationData(train, val, values, num_classes, None, budget, batch, "their own sizes", reading)
 
 
 def loss_per_image(logits, target, num_classes):
@@ -571,8 +691,7 @@ def sample_images(cfg, weights, count=4):
     the size it was trained on (input_size, or the first image's own size padded), and the first
     one again at another size (16 and 32 pixels more): real inputs to check an export on."""
     _, val_source = open_sources(cfg)
-    images = SegmentationSet(val_source, weights.mask_values, lambda *pair: pair, cfg.seed)
-    images = [images[i][0] for i in range(min(count, len(images)))]
+    images = [decode_pair(val_source, i, weights.mask_values)[0] for i in range(min(count, len(val_source)))]
     h, w = weights.input_size or (padded(images[0].shape[1]), padded(images[0].shape[2]))
     return [torch.stack([resize(im, [h, w], antialias=True) for im in images]).float() / 255,
             resize(images[0], [h + 16, w + 32], antialias=True)[None].float() / 255]

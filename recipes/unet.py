@@ -12,6 +12,7 @@ recipe; `# ADAPT:` marks what to change. Data, loss, Dice and predict: common/se
 import math
 import sys
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
@@ -19,7 +20,6 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import torch
 from accelerate.utils import broadcast, set_seed
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
-from torchvision.transforms import v2
 from tqdm.auto import tqdm
 
 from common.checkpoint import load_checkpoint, load_weights, save_checkpoint, save_weights
@@ -32,8 +32,9 @@ from common.runtime import build_accelerator, close, describe, open_run, run, st
 from common.runtime import sync_batchnorm, tracker
 from common.schedule import fit_cosine
 from common.segmentation import (
-    SegmentationConfig, SegmentationWeights, dice_counts, fit_to_weights, image_panel, load_data,
-    load_model, loss_per_image, predict, require_same_classes, sample_images, segment,
+    SegmentationConfig, SegmentationWeights, crop_and_flip, dice_counts, fit_to_weights,
+    image_panel, load_data, load_model, loss_per_image, predict, require_same_classes,
+    sample_images, segment,
 )
 from unet_model import UNet  # ADAPT: your model
 
@@ -50,8 +51,8 @@ class Config(SegmentationConfig):  # + the data, class and predict settings it i
     base_channels: int = 64  # width of the first level, doubled at each of the 4 levels down
     bilinear: bool = False  # upsample by bilinear interpolation, not transposed convolutions
     sync_bn: bool = True  # BatchNorm statistics over all processes' batches (GPUs only)
-    channels_last: bool = False  # NHWC memory layout: faster fp16/bf16 convolutions on recent GPUs
-    # Augmentation: an image and its mask get the same resize, crop and flips.
+    channels_last: str = "auto"  # NHWC layout: faster fp16/bf16 convolutions; auto: on with CUDA
+    # Augmentation: an image and its mask get the same resize (once, at decoding), crop and flips.
     image_size: int = 0  # resize to image_size x image_size; 0: keep the files' size (all alike)
     crop_size: int = 0  # training only: a random square crop after the resize; 0: no crop
     hflip: float = 0.5  # training only: probability of a horizontal flip
@@ -65,7 +66,7 @@ class Config(SegmentationConfig):  # + the data, class and predict settings it i
     scheduler: str = "cosine"  # cosine: to 0 at the last step; plateau: x0.1 after 5 flat evals
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
     seed: int = 0  # model init, data order and augmentation; same seed, same run
-    num_workers: int = 2  # DataLoader workers per process: images are decoded at every read
+    num_workers: int = -1  # DataLoader workers per process that decode (if not cached); -1: by CPUs
     log_every: int = 20  # optimizer steps between logged scalars; image panels at every eval
 
     def validate(self):
@@ -75,6 +76,8 @@ class Config(SegmentationConfig):  # + the data, class and predict settings it i
         require(self.scheduler in ("cosine", "plateau"), f"scheduler must be cosine or plateau, "
                                                           f"got {self.scheduler!r}")
         require(0 <= self.hflip <= 1 and 0 <= self.vflip <= 1, "hflip and vflip are probabilities")
+        require(self.channels_last in ("auto", "true", "false"),
+                f"channels_last must be auto, true or false, got {self.channels_last!r}")
         for name in ("image_size", "crop_size"):
             require(getattr(self, name) == 0 or getattr(self, name) >= 32,
                     f"{name} must be 0 or at least 32: the U-Net halves the image 4 times")
@@ -94,18 +97,16 @@ def build_model(settings):
     return UNet(**settings)
 
 
-# ADAPT: your augmentation, applied jointly to (image, mask); masks resize by nearest neighbour.
-def transforms(cfg):
-    """The training and validation transforms: validation only resizes."""
-    sized = [v2.Resize((cfg.image_size, cfg.image_size), antialias=True)] if cfg.image_size else []
-    crop = [v2.RandomCrop(cfg.crop_size)] if cfg.crop_size else []
-    flips = [v2.RandomHorizontalFlip(cfg.hflip), v2.RandomVerticalFlip(cfg.vflip)]
-    return v2.Compose([*sized, *crop, *flips]), (v2.Compose(sized) if sized else v2.Identity())
+# ADAPT: your augmentation of a training batch, where it is (the GPU, if the images are cached
+# there): uint8 images [N, 3, H, W] and class masks [N, H, W], changed alike. rand [N, 8]: each
+# sample's own uniform numbers, seeded by (seed, epoch, sample), so that a resume is exact.
+def augment(images, masks, rand, cfg):
+    return crop_and_flip(images, masks, rand, cfg.crop_size, cfg.hflip, cfg.vflip)
 
 
 def prepare_input(x, cfg):
     x = x.float() / 255
-    return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
+    return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last == "true" else x
 
 
 def make_optimizer(model, lr, cfg, accelerator):
@@ -226,7 +227,7 @@ def main(cfg):
     cfg = fit_to_weights(cfg, weights, MODEL_SETTINGS)
     trained_flips = "h" * (cfg.hflip > 0) + "v" * (cfg.vflip > 0)  # what predict_flip may flip
     flips = weights.flips if weights and cfg.eval_only else trained_flips
-    data = load_data(cfg, accelerator, *transforms(cfg), weights)
+    data = load_data(cfg, accelerator, partial(augment, cfg=cfg), weights)
     cfg = replace(cfg, num_classes=data.num_classes, max_batch_pixels=data.max_batch_pixels)
     train_loader, val_loader = data.train_loader, data.val_loader
     metrics = start_logging(accelerator, cfg, NAME)
@@ -237,7 +238,11 @@ def main(cfg):
     if cfg.weights:
         load_weights(model, cfg.weights)
     model, norm = sync_batchnorm(model, accelerator, cfg.sync_bn)
-    if cfg.channels_last:
+    auto = cfg.channels_last == "auto"  # on with CUDA; off on CPUs, where it measured 1.00x
+    layout = cfg.channels_last == "true" or (auto and accelerator.device.type == "cuda")
+    channels = f"channels_last {'on' if layout else 'off'}{' (auto)' * auto}"
+    cfg = replace(cfg, channels_last=str(layout).lower())
+    if layout:
         model = model.to(memory_format=torch.channels_last)
     optimizer = make_optimizer(model, cfg.scaled_lr(accelerator.num_processes), cfg, accelerator)
     if cfg.bucket_by_size:  # bucketed loaders are sharded already: prepare() would deal them again
@@ -255,8 +260,8 @@ def main(cfg):
         scheduler = ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5)
     fused = "fused " if optimizer.defaults["fused"] else ""
     adamw = f"{fused}AdamW lr {optimizer.defaults['lr']:g}"
-    accelerator.print(f"{NAME}: {describe(accelerator, data.batch)}; {adamw}; {norm}; {data}; "
-                      f"outputs to {out}/")
+    accelerator.print(f"{NAME}: {describe(accelerator, data.batch)}; {adamw}; {norm}; {channels}; "
+                      f"{data}; outputs to {out}/")
 
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
     # `best` and early stopping follow the average's Dice when there is one.

@@ -6,6 +6,7 @@
     python scripts/bench.py --recipe unet                    # U-Net on data/shapes: about 6 minutes on 2 CPU cores
     python scripts/bench.py --recipe unet --also channels_last compile   # and the recipe with these
     python scripts/bench.py --recipe unet --dataset DIR --image_size 256 --batch_size 32   # a realistic size
+    python scripts/bench.py --recipe unet --loader "" "--num_workers 4"  # the data path alone, no model
     accelerate launch --config_file accelerate_configs/bf16.yaml --num_processes 1 scripts/bench.py
 
 One process trains the same model (the recipe's own class, optimizer settings, batch size and
@@ -45,6 +46,10 @@ TFLOP/s of a large square matrix product in the run's precision (fp32, or the ac
 config's bf16/fp16), timed before and after the rounds (the higher counts). `--image_size` and
 `--batch_size` set the recipe's sizes: data from `scripts/make_shapes.py --size 256` at
 `--image_size 256 --batch_size 32` is training as it looks on a GPU.
+`--loader FLAGS...` (U-Net) measures the data path alone instead: the images/s that the recipe's
+training loader yields, built by load_data() and prepared as main() prepares it, with no model;
+one variant per FLAGS, recipe settings over the defaults ("" for the defaults), in the same
+interleaved rounds of whole epochs, after one warm-up epoch (which starts the workers).
 
 Prints a table and writes JSON (default runs/bench/<recipe>.json). Not a test: the figures depend
 on the machine. Adding a recipe: write a `bench_<name>(args, accelerator)` like bench_mnist and
@@ -53,9 +58,12 @@ add it to RECIPES with its defaults.
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -77,11 +85,11 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from torchvision import transforms  # noqa: E402
 
-from common.config import UserError  # noqa: E402
+from common.config import UserError, parse_config  # noqa: E402
 from common.determinism import set_deterministic  # noqa: E402
 from common.metrics import peak_memory_mb  # noqa: E402
 from common.progress import Progress  # noqa: E402
-from common.segmentation import load_data, loss_per_image, open_sources  # noqa: E402
+from common.segmentation import load_data, loss_per_image, open_sources, worker_count  # noqa: E402
 from common.runtime import build_accelerator, close  # noqa: E402
 from recipe_module import load_recipe  # noqa: E402  (tests/recipe_module.py)
 
@@ -306,14 +314,16 @@ def bench_unet(args, accelerator):
     except UserError as e:  # --image_size or --batch_size out of range: one line, as the recipe says it
         raise SystemExit(f"error: {e}") from None
     set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)  # as main(): cudnn.benchmark
+    cfg = dataclasses.replace(cfg, channels_last=str(device.type == "cuda").lower())  # as main() reads auto
     if not (Path(cfg.dataset) / "imgs").is_dir():
         raise SystemExit(f"error: the U-Net bench needs a folder with imgs/ and masks/ (the classic loop opens "
                          f"the files), not {cfg.dataset}")
     # The recipe's own data path, as its main() builds it on one process.
-    data = load_data(cfg, accelerator, *unet.transforms(cfg))
+    data = load_data(cfg, accelerator, functools.partial(unet.augment, cfg=cfg))
     cfg = dataclasses.replace(cfg, num_classes=data.num_classes)
     train_loader, values = data.train_loader, data.values
     train_source, _ = open_sources(cfg)  # the image and mask files, for the classic loop
+    workers = worker_count(cfg.num_workers, 1)  # the recipe's when it does not cache
     train_set = train_loader.dataset
     epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset)
     steps = len(sizes)
@@ -321,7 +331,7 @@ def bench_unet(args, accelerator):
     def new_model(cfg=cfg, tutorial=False):
         set_seed(cfg.seed)  # the same initial weights in every variant
         model = unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS})
-        if cfg.channels_last:
+        if cfg.channels_last == "true":
             model = model.to(memory_format=torch.channels_last)
         if tutorial:  # the recipe's AdamW settings, with the foreach kernels that milesial asks for
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
@@ -389,7 +399,7 @@ def bench_unet(args, accelerator):
         "model": f"UNet(base_channels={cfg.base_channels})",
         "optimizer": f"AdamW(lr={cfg.lr}, weight_decay={cfg.weight_decay}), gradient norm clipped to {cfg.grad_clip}; "
                      f"recipe and bound: make_optimizer (fused kernels, except under fp16); classic: foreach kernels",
-        "recipe_loop": f"common/segmentation.py load_data + recipes/unet.py train_one_epoch (num_workers {cfg.num_workers})",
+        "recipe_loop": f"common/segmentation.py load_data ({data.reading}) + recipes/unet.py train_one_epoch",
         "startup_cmd": [sys.executable, "recipes/unet.py", "--dataset", cfg.dataset, "--smoke",
                         "--smoke_steps", "1"],
         "startup_marker": "unet: ",  # main() prints this line after data, model and prepare()
@@ -397,18 +407,18 @@ def bench_unet(args, accelerator):
             "recipe": "recipe's make_loaders + train_one_epoch",
             "bound": "float batches already on the device",
             "classic_w0": "PIL -> numpy -> tensor per sample, DataLoader num_workers 0",
-            f"classic_w{cfg.num_workers}": f"the same with num_workers {cfg.num_workers}, as the recipe",
+            f"classic_w{workers}": f"the same with num_workers {workers}, as the recipe streams with",
         },
     }
     variants = {
         "recipe": setup_recipe,
         "bound": setup_bound,
         "classic_w0": setup_classic(0),
-        f"classic_w{cfg.num_workers}": setup_classic(cfg.num_workers),
+        f"classic_w{workers}": setup_classic(workers),
     }
     if "channels_last" in args.also:
         info["what"]["recipe_cl"] = "the recipe with --channels_last true (model and batches NHWC)"
-        variants["recipe_cl"] = lambda: setup_recipe(dataclasses.replace(cfg, channels_last=True))
+        variants["recipe_cl"] = lambda: setup_recipe(dataclasses.replace(cfg, channels_last="true"))
     if "compile" in args.also:
         info["what"]["recipe_compile"] = "the recipe, model compiled (torch.compile, inductor) after prepare()"
         variants["recipe_compile"] = lambda: setup_recipe(compile_model=True)
@@ -493,6 +503,71 @@ def print_flop_rates(results, flops, peak, dtype_name):
     for name, res in results.items():
         print(f"{name:<12} {res['tflops']:>9.3g} {res['tflops_best']:>8.3g} "
               f"{res['fraction_of_peak']:>8.1%} {res['fraction_of_peak_best']:>6.1%}")
+
+
+def bench_loader(args, accelerator):
+    """The U-Net's data path alone: one variant per --loader entry (recipe flags over the
+    defaults), each rep() one epoch of the training loader, prepared as main() prepares it, with
+    nothing done to the batches. rep.setup_s: seconds to build it (decoding, if it caches)."""
+    unet = load_recipe("unet")
+    variants = {}
+
+    def setup(flags):
+        cfg = parse_config(unet.Config, ["--dataset", args.dataset, "--output_dir", args.workdir,
+                                         *shlex.split(flags)])
+        start = time.perf_counter()
+        data = load_data(cfg, accelerator, functools.partial(unet.augment, cfg=cfg))
+        loader = accelerator.prepare(data.train_loader)
+        epochs = itertools.count()
+
+        def rep():
+            epoch = next(epochs)
+            loader.set_epoch(epoch)
+            loader.dataset.epoch = epoch
+            images = 0
+            for _, y in loader:
+                images += len(y)
+            return images
+
+        rep.setup_s = round(time.perf_counter() - start, 3)
+        rep.data = str(data)
+        return rep
+
+    for flags in args.loader:
+        variants[flags or "defaults"] = lambda flags=flags: setup(flags)
+    return variants
+
+
+def report_loader(args, accelerator):
+    """Run bench_loader's variants in interleaved rounds; print a table, write the JSON."""
+    variants = bench_loader(args, accelerator)
+    device = accelerator.device
+    print(f"unet loader: {args.dataset}, {args.warmup} warm-up + {args.reps} measured epochs each, "
+          f"interleaved, {args.threads} threads, {device.type} ({device_name(device)})", flush=True)
+    setups = {}
+
+    def keep(name, setup):  # remember each variant's set-up time and data line
+        def wrapped():
+            rep = setup()
+            setups[name] = {"setup_s": rep.setup_s, "data": rep.data}
+            return rep
+        return wrapped
+
+    results = measure({name: keep(name, setup) for name, setup in variants.items()}, device, args.warmup,
+                      args.reps)
+    print(f"\n{'images/s median':>15} {'best':>8} {'set-up s':>9}  variant (recipe flags)")
+    for name, res in results.items():
+        res.update(setups[name])
+        print(f"{rate(res['median_samples_per_s']):>15} {rate(res['best_samples_per_s']):>8} "
+              f"{res['setup_s']:>9.2f}  {name}: {res['data']}")
+    load = os.getloadavg()[0]
+    print(f"load average {load:.2f} after, on {os.cpu_count()} cores")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"recipe": "unet", "mode": "loader", "dataset": args.dataset,
+                               "device": device.type, "device_name": device_name(device),
+                               "threads": args.threads, "reps": args.reps, "variants": results}, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 # Each recipe's bench, and its defaults for what the command line leaves out. A U-Net step takes
@@ -601,6 +676,9 @@ def main():
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, all variants")
     p.add_argument("--startup_runs", type=int, default=3, help="recipe launches to time (0: skip)")
     p.add_argument("--json", help="where to write the results (default runs/bench/<recipe>.json)")
+    p.add_argument("--loader", nargs="*", metavar="FLAGS",
+                   help='U-Net: measure the training loader alone, once per FLAGS (recipe settings, "" for '
+                        'the defaults), with no model (see above)')
     p.add_argument("--also", nargs="+", default=[], choices=["channels_last", "compile"],
                    help="U-Net: also measure the recipe with channels_last, or compiled (see above)")
     p.add_argument("--image_size", type=int, help="U-Net: the recipe's image_size (default: the recipe's)")
@@ -610,11 +688,14 @@ def main():
     for key, value in defaults.items():  # what the command line left out
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.json = args.json or f"runs/bench/{args.recipe}.json"
+    args.json = args.json or f"runs/bench/{args.recipe}{'_loader' if args.loader is not None else ''}.json"
     if args.steps < 0 or args.reps < 1 or args.warmup < 0 or args.threads < 1 or args.startup_runs < 0:
         p.error("--steps, --warmup and --startup_runs cannot be negative; --reps and --threads must be at least 1")
     if (args.also or args.image_size is not None or args.batch_size is not None) and args.recipe != "unet":
         p.error("--also, --image_size and --batch_size are for --recipe unet")
+    if args.loader is not None and args.recipe != "unet":
+        p.error("--loader is for --recipe unet")
+    args.loader = [""] if args.loader == [] else args.loader
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
@@ -624,6 +705,13 @@ def main():
     device = accelerator.device
     workdir = tempfile.mkdtemp(prefix="bench-")
     args.workdir = str(Path(workdir) / "recipe")
+    if args.loader:
+        try:
+            report_loader(args, accelerator)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        close(accelerator)
+        return
     try:
         info, variants = bench(args, accelerator)
         print(f"{args.recipe}: {info['steps_per_rep']} steps = {info['samples_per_rep']} samples per repetition, "

@@ -8,6 +8,8 @@ own, prepared as their main() prepares them.
     python tests/sync_probe.py MNIST_DIR SHAPES_DIR
 """
 
+import functools
+import itertools
 import sys
 
 import torch
@@ -26,12 +28,13 @@ loaders = {}
 for on_device in (True, False):
     cfg = mnist.Config(dataset=mnist_dir, data_on_device=on_device, batch_size=32)
     loaders[f"mnist data_on_device {on_device}"] = accelerator.prepare(mnist.make_loaders(cfg, device)[0])
-for bucketed in (False, True):  # the recipe's data exactly as its main() builds it
-    cfg = unet.Config(dataset=shapes_dir, batch_size=4, num_workers=2, bucket_by_size=bucketed)
-    data = load_data(cfg, accelerator, *unet.transforms(cfg))
+for bucketed, cache in itertools.product((False, True), ("true", "false")):  # as the recipe's main() builds it
+    cfg = unet.Config(dataset=shapes_dir, batch_size=4, num_workers=2, bucket_by_size=bucketed, cache_images=cache,
+                      vflip=0.5)
+    data = load_data(cfg, accelerator, functools.partial(unet.augment, cfg=cfg))
     # Bucketed loaders are sharded and placed by common/sampler.py; the others go through prepare().
     train_loader = data.train_loader if bucketed else accelerator.prepare(data.train_loader)
-    loaders["unet bucket_by_size" if bucketed else "unet"] = train_loader
+    loaders[f"unet cache_images {cache}" + " bucket_by_size" * bucketed] = train_loader
 
 for name, loader in loaders.items():
     for epoch in (1, 2):  # the second epoch: persistent workers, a reshuffled order

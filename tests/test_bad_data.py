@@ -198,7 +198,7 @@ def truncated_image(unet, shapes, tmp_path):
 def test_a_truncated_image_stops_with_one_line_without_workers(truncated_image, tmp_path):
     root, bad = truncated_image
     res = launch([UNET, "--dataset", root, "--output_dir", tmp_path / "out", "--smoke", "--num_workers", 0,
-                  *UNET_FAST], launcher="python", env=ONE_THREAD)
+                  "--cache_images", "false", *UNET_FAST], launcher="python", env=ONE_THREAD)
     assert res.returncode == 2 and "Traceback" not in res.output, res  # after the start-up lines:
     assert error_lines(res) == [f"error: cannot read image {bad} (image file is truncated): fix or remove the file"]
 
@@ -206,5 +206,15 @@ def test_a_truncated_image_stops_with_one_line_without_workers(truncated_image, 
 def test_a_truncated_image_read_by_a_worker_is_named(truncated_image, tmp_path):
     root, bad = truncated_image
     res = launch([UNET, "--dataset", root, "--output_dir", tmp_path / "out", "--smoke", "--num_workers", 1,
-                  *UNET_FAST], launcher="python", env=ONE_THREAD)
+                  "--cache_images", "false", *UNET_FAST], launcher="python", env=ONE_THREAD)
     assert res.returncode != 0 and f"cannot read image {bad} (" in res.output, res
+
+
+def test_a_truncated_image_stops_both_ranks_with_one_line_as_they_fill_the_cache(truncated_image, tmp_path):
+    # Every process decodes every image into its cache, in the same order: both find the same
+    # first bad file before training, and rank 0 says it.
+    root, bad = truncated_image
+    res = launch([UNET, "--dataset", root, "--output_dir", tmp_path / "out", "--smoke", "--cache_images", "true",
+                  *UNET_FAST], nproc=2, env=ONE_THREAD, timeout=120)
+    assert error_lines(res) == [f"error: cannot read image {bad} (image file is truncated): fix or remove the file"]
+    assert "unet: " not in res.output, res  # stopped before the start-up line: no training began

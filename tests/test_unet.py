@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -81,13 +82,15 @@ def test_single_process_learns_and_writes_the_output_contract(trained, shapes):
     assert "outc.weight" in keys and not any(k.startswith("module.") for k in keys)
     assert "classes: mask values 0,85,170,255" in res.output and f"outputs in {out}/" in res.output
     assert f"; fused AdamW lr {LR:g};" in res.output  # a CPU has the fused kernels (make_optimizer)
+    # channels_last auto is off on a CPU; these images fit the cache (cache_images auto).
+    assert "; channels_last off (auto); images decoded once, 1 MB in cpu memory; 59 train" in res.output
 
 
 def test_two_processes_exact_eval_count_and_lr_schedule(shapes, tmp_path):
     res = launch([RECIPE, "--dataset", shapes, "--output_dir", tmp_path, "--epochs", 2, "--batch_size", 4,
-                  "--channels_last", *FAST], nproc=2)
+                  "--channels_last", "true", *FAST], nproc=2)
     assert_ok(res)
-    assert "2 process(es) on cpu, gloo" in res.output
+    assert "2 process(es) on cpu, gloo" in res.output and "; channels_last on; " in res.output
     # PyTorch's SyncBatchNorm has no CPU kernels; the start-up line says what each run uses.
     assert "BatchNorm per process (SyncBatchNorm needs GPUs)" in res.output
     rows = read_metrics(tmp_path)
@@ -321,6 +324,9 @@ def test_bad_settings_are_rejected(unet):
         (["--scheduler", "step"], "scheduler must be cosine or plateau"),
         (["--predict", "x.png"], "predict needs weights"),
         (["--bucket_by_size", "true", "--image_size", "64"], "bucket_by_size trains on the images' own sizes"),
+        (["--channels_last", "yes"], "channels_last must be auto, true or false, got 'yes'"),
+        (["--cache_images", "1"], "cache_images must be auto, true or false, got '1'"),
+        (["--num_workers", "-2"], "num_workers must be at least -1, got -2"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_config(unet.Config, args)
@@ -345,12 +351,57 @@ def assert_resume_is_bit_identical(args, out, stop_at, steps):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_stop_and_resume_is_bit_identical_with_workers(shapes, tmp_path):
-    # Augmentation is seeded per (seed, epoch, sample), so even with 2 (persistent) workers a
-    # resumed run sees the same crops and flips as an uninterrupted one, across an epoch end.
+@pytest.mark.parametrize("cache", ["false", "true"])
+def test_stop_and_resume_is_bit_identical_with_crops_and_flips(shapes, tmp_path, cache):
+    # Augmentation is seeded per (seed, epoch, sample), so with 2 (persistent) workers decoding,
+    # or from the cache, a resumed run sees the same crops and flips as an uninterrupted one,
+    # across an epoch end.
     args = [RECIPE, "--dataset", shapes, *FAST, "--num_workers", 2, "--base_channels", 8, "--epochs", 2,
-            "--batch_size", 8]
+            "--batch_size", 8, "--crop_size", 32, "--vflip", 0.5, "--cache_images", cache]
     assert_resume_is_bit_identical(args, tmp_path, stop_at=5, steps=12)
+
+
+def epoch_batches(unet, cfg, epoch):
+    """The training batches of an epoch, from the recipe's loader as its main() builds it."""
+    from functools import partial
+
+    from common.runtime import build_accelerator
+    from common.segmentation import load_data
+
+    data = load_data(cfg, build_accelerator(), partial(unet.augment, cfg=cfg))
+    data.train_loader.dataset.epoch = epoch  # the order: the loader's first, from its own seeded generator
+    return data.reading, list(data.train_loader)
+
+
+def test_cached_and_decoded_batches_are_identical_with_any_number_of_workers(unet, shapes):
+    settings = dict(dataset=str(shapes), val_fraction=VAL_FRACTION, batch_size=8, crop_size=40, vflip=0.5)
+    reading, cached = epoch_batches(unet, unet.Config(**settings, cache_images="true"), epoch=3)
+    assert reading == "images decoded once, 1 MB in cpu memory"
+    flipped = 0
+    for workers in (0, 2, -1):  # -1, the default: one per CPU core less one, at most 8
+        reading, decoded = epoch_batches(unet, unet.Config(**settings, cache_images="false", num_workers=workers), 3)
+        count = workers if workers >= 0 else min(8, max(1, len(os.sched_getaffinity(0)) - 1))
+        where = f"by {count} DataLoader worker(s) per process" if count else "in the training process"
+        assert reading == f"images decoded at every read {where}"
+        assert len(decoded) == len(cached) == math.ceil(N_TRAIN / 8)
+        for (x, y), (x2, y2) in zip(cached, decoded):
+            assert x.dtype == torch.uint8 and x.shape[1:] == (3, 40, 40) and y.dtype == torch.int64
+            assert torch.equal(x, x2) and torch.equal(y, y2)
+    _, other_epoch = epoch_batches(unet, unet.Config(**settings, cache_images="true"), epoch=4)
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(cached, other_epoch))  # new crops every epoch
+
+
+def test_crop_and_flip_crop_and_flip_each_image_and_its_mask_alike():
+    images = torch.arange(4 * 3 * 6 * 8, dtype=torch.int64).reshape(4, 3, 6, 8)
+    masks = images[:, 0] * 10
+    rand = torch.tensor([[0.0, 0.0, 0.9, 0.9], [0.999, 0.999, 0.1, 0.9], [0.5, 0.5, 0.9, 0.1], [0.3, 0.7, 0.1, 0.1]])
+    x, y = segmentation.crop_and_flip(images, masks, rand, crop=4, hflip=0.5, vflip=0.5)
+    # (top, left) = floor(rand * (6 - 4 + 1)), floor(rand * (8 - 4 + 1)); flipped where rand < 0.5.
+    for n, (top, left, flips) in enumerate([(0, 0, []), (2, 4, [-1]), (1, 2, [-2]), (0, 3, [-1, -2])]):
+        window = images[n, :, top:top + 4, left:left + 4]
+        expected = window.flip(flips) if flips else window
+        assert torch.equal(x[n], expected) and torch.equal(y[n], expected[0] * 10), n
+    assert segmentation.crop_and_flip(images, masks, rand) == (images, masks)  # nothing to do
 
 
 def test_tensorboard_gets_scalars_and_image_panels(shapes, tmp_path):
@@ -442,8 +493,9 @@ def test_bucket_by_size_on_two_processes_trains_and_evaluates_every_image_once(m
 
 
 def test_bucket_by_size_resumes_bit_identically(mixed_shapes, tmp_path):
+    # Decoded by 2 workers (the two-process test above reads them from the cache), flipped.
     args = [RECIPE, "--dataset", mixed_shapes, *FAST, "--bucket_by_size", "true", "--base_channels", 8,
-            "--batch_size", 2, "--num_workers", 2, "--epochs", 2]
+            "--batch_size", 2, "--num_workers", 2, "--epochs", 2, "--cache_images", "false", "--vflip", 0.5]
     assert_resume_is_bit_identical(args, tmp_path, stop_at=7, steps=20)
 
 
