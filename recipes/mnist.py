@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 
 from common.checkpoint import load_checkpoint, load_weights, save_checkpoint, save_weights
 from common.config import RunConfig, UserError
-from common.data import DataError, TensorBatches, class_labels, decode_images, load_splits
-from common.data import require_one_batch_per_process
+from common.data import DataError, TensorBatches, cached_tensors, class_labels, decode_images
+from common.data import load_splits, require_one_batch_per_process
 from common.determinism import set_deterministic
 from common.progress import Progress
 from common.runtime import build_accelerator, close, describe, ignore_stop_signals, open_run, run
@@ -43,6 +43,7 @@ class Config(RunConfig):
     label_column: str = "label"  # column holding class indices 0..9
     train_split: str = "train"
     test_split: str = "test"
+    cache_decoded: bool = True  # keep the decoded images in the datasets cache for later runs
     output_dir: str = f"runs/{NAME}"  # config.yaml, metrics.jsonl, weights, checkpoints/
     # Training. Defaults follow pytorch/examples mnist/main.py (~99% test accuracy in 14 epochs).
     epochs: int = 14
@@ -80,14 +81,22 @@ def normalize(x):
     return (x.float() / 255 - 0.1307) / 0.3081  # MNIST's mean and standard deviation
 
 
-def to_tensors(split, cfg, name, device):
-    """28x28 grey digits -> TensorBatches(uint8 [N, 1, 28, 28], int64 [N]) on `device`."""
+def decode(split, cfg, name):
+    """28x28 grey digits -> uint8 images [N, 1, 28, 28] and int64 labels [N]."""
     images = decode_images(split, cfg.image_column, f"{name} split")  # a bad file stops, named
     if bad := next((im for im in images if im.mode != "L" or im.size != (28, 28)), None):
         raise DataError(f"{name} split has a {bad.mode} image of size {bad.width}x{bad.height}; "
                         f"BasicNet takes 28x28 greyscale ('L'): convert them or change the model")
-    x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None].to(device)
-    return TensorBatches(x, class_labels(split, cfg.label_column, 10, f"{name} split").to(device))
+    x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None]
+    return x, class_labels(split, cfg.label_column, 10, f"{name} split")
+
+
+def to_tensors(split, cfg, name, device):
+    """decode()'s tensors as TensorBatches on `device`. Decoded once: later runs on the same data
+    files read them from a file in the datasets cache (cache_decoded)."""
+    key = [NAME, cfg.image_column, cfg.label_column]  # what, besides the files, fixes the tensors
+    x, y = cached_tensors(split, key, lambda: decode(split, cfg, name), cfg.cache_decoded)
+    return TensorBatches(x.to(device), y.to(device))
 
 
 def make_loaders(cfg, device="cpu"):
