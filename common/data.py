@@ -8,6 +8,7 @@
     x, y = cached_tensors(splits["train"], ["image", "label"], decode)  # decode() once, then a file
     require_one_batch_per_process(len(train_set), batch_size, accelerator, "the train split")
     TensorBatches(images, labels)       # a TensorDataset read a whole batch at a time
+    x = random_shift(x, 2)              # augmentation: each image moved by up to 2 pixels
 
 A local folder is read by `datasets.load_dataset` itself: parquet files named
 train*/test*, or the imagefolder layout train/<label>/*.png. A hub name is
@@ -242,6 +243,22 @@ def require_one_batch_per_process(samples, batch_size, accelerator, what):
     if samples < batch_size * accelerator.num_processes:
         raise DataError(f"{what} has {samples} samples, fewer than one batch for each process "
                         f"({batch_size} x {accelerator.num_processes} processes): lower batch_size")
+
+
+def random_shift(images, pixels):
+    """Each image of a batch [N, C, H, W] moved by its own random offset of up to `pixels` in
+    each direction, filled with 0 (MNIST's background), on the batch's device. The offsets come
+    from torch's global RNG of that device, which Accelerate's checkpoints save, so a resumed
+    run draws the same ones. pixels=0: the batch itself, and no random numbers drawn."""
+    if not pixels:
+        return images
+    n, _, h, w = images.shape
+    dy, dx = torch.randint(0, 2 * pixels + 1, (2, n, 1, 1), device=images.device)
+    rows = torch.arange(h, device=images.device).view(1, h, 1) + dy  # [N, H, 1] in the padded image
+    cols = torch.arange(w, device=images.device).view(1, 1, w) + dx  # [N, 1, W]
+    padded = torch.nn.functional.pad(images, [pixels] * 4)
+    batch = torch.arange(n, device=images.device).view(n, 1, 1)
+    return padded[batch, :, rows, cols].permute(0, 3, 1, 2)  # [N, H, W, C] -> [N, C, H, W]
 
 
 class TensorBatches(TensorDataset):
