@@ -5,8 +5,10 @@
     splits = load_splits("data/mnist_sample", ["train", "test"], columns=["image", "label"])
     images = decode_images(splits["train"], "image", "train split")  # PIL images, or a DataError
     labels = class_labels(splits["train"], "label", 10, "train split")   # int64, checked
+    x, y = cached_tensors(splits["train"], ["image", "label"], decode)  # decode() once, then a file
     require_one_batch_per_process(len(train_set), batch_size, accelerator, "the train split")
     TensorBatches(images, labels)       # a TensorDataset read a whole batch at a time
+    x = random_shift(x, 2)              # augmentation: each image moved by up to 2 pixels
 
 A local folder is read by `datasets.load_dataset` itself: parquet files named
 train*/test*, or the imagefolder layout train/<label>/*.png. A hub name is
@@ -18,8 +20,12 @@ the hub: a mistyped path says that it does not exist. A data file that does not 
 (truncated, not parquet) or an image that does not decode is named in the error.
 """
 
+import hashlib
+import json
 import os
 import socket
+import sys
+import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -189,12 +195,70 @@ def decode_images(split, column, where):
     return images
 
 
+CACHE_FORMAT = 1  # part of every cache key: raise it when what cached_tensors stores changes
+
+
+def cached_tensors(split, key, make, enabled=True):
+    """The tuple of tensors that make() computes from a datasets split, made once: later runs
+    read them from a file under the datasets cache (HF_DATASETS_CACHE/decoded/). The file is
+    keyed by the split's fingerprint, which datasets derives from the data files (their names
+    and modification times, or the hub revision), and by `key` (a JSON-able value: whatever
+    else shapes the tensors, such as the columns read). It is written atomically, a temporary
+    file then os.replace, so no process ever reads half a file; one that does not read is made
+    again and replaced, with a warning. enabled=False: make() every time, no file."""
+    if not enabled:
+        return make()
+    import datasets
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import save_file
+
+    name = json.dumps([CACHE_FORMAT, split._fingerprint, key])
+    path = Path(datasets.config.HF_DATASETS_CACHE, "decoded",
+                hashlib.sha256(name.encode()).hexdigest()[:32] + ".safetensors")
+    if path.exists():
+        try:
+            with safe_open(path, "pt") as file:
+                if file.metadata() == {"key": name}:  # else another key, same name: as good as never
+                    return tuple(file.get_tensor(str(i)) for i in range(len(file.keys())))
+            problem = "made for other data"
+        except (OSError, SafetensorError) as e:  # truncated or damaged
+            problem = _first_line(e)
+        print(f"warning: cannot read cache file {path} ({problem}): writing it again", file=sys.stderr)
+    tensors = make()
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # unique: ranks write at once
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({str(i): t.contiguous() for i, t in enumerate(tensors)}, tmp, {"key": name})
+        os.replace(tmp, path)
+    except (OSError, SafetensorError) as e:  # a full disk or a read-only cache: run on without
+        tmp.unlink(missing_ok=True)
+        print(f"warning: cannot write cache file {path} ({_first_line(e)}): decoding again next run",
+              file=sys.stderr)
+    return tensors
+
+
 def require_one_batch_per_process(samples, batch_size, accelerator, what):
     """DataError unless `samples` fill one batch of `batch_size` on every process: with fewer, a
     prepared loader would repeat samples to give each process a batch."""
     if samples < batch_size * accelerator.num_processes:
         raise DataError(f"{what} has {samples} samples, fewer than one batch for each process "
                         f"({batch_size} x {accelerator.num_processes} processes): lower batch_size")
+
+
+def random_shift(images, pixels):
+    """Each image of a batch [N, C, H, W] moved by its own random offset of up to `pixels` in
+    each direction, filled with 0 (MNIST's background), on the batch's device. The offsets come
+    from torch's global RNG of that device, which Accelerate's checkpoints save, so a resumed
+    run draws the same ones. pixels=0: the batch itself, and no random numbers drawn."""
+    if not pixels:
+        return images
+    n, _, h, w = images.shape
+    dy, dx = torch.randint(0, 2 * pixels + 1, (2, n, 1, 1), device=images.device)
+    rows = torch.arange(h, device=images.device).view(1, h, 1) + dy  # [N, H, 1] in the padded image
+    cols = torch.arange(w, device=images.device).view(1, 1, w) + dx  # [N, 1, W]
+    padded = torch.nn.functional.pad(images, [pixels] * 4)
+    batch = torch.arange(n, device=images.device).view(n, 1, 1)
+    return padded[batch, :, rows, cols].permute(0, 3, 1, 2)  # [N, H, W, C] -> [N, C, H, W]
 
 
 class TensorBatches(TensorDataset):

@@ -1,6 +1,8 @@
-"""A cosine learning-rate schedule that ends where the run ends, also across resumes."""
+"""Learning-rate schedules that end where the run ends, also across resumes."""
 
 import math
+
+from common.config import UserError
 
 
 def fit_cosine(scheduler, cfg, progress, steps_per_epoch):
@@ -23,3 +25,16 @@ def fit_cosine(scheduler, cfg, progress, steps_per_epoch):
             scheduler.T_max = scheduler.last_epoch + steps_left
             for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
                 group["lr"] = base_lr * (1 + math.cos(math.pi * scheduler.last_epoch / scheduler.T_max)) / 2
+
+
+def same_schedule(scheduler, saved, checkpoint):
+    """`saved`, a checkpoint's scheduler state, if `scheduler` can go on from it, else a UserError.
+    A OneCycleLR fixes its length (total_steps) when it is made: resuming one needs a schedule of
+    the same kind and length, the same epochs x optimizer steps per epoch."""
+    planned, length = getattr(scheduler, "total_steps", None), saved.get("total_steps")
+    if planned != length:
+        had, plans = (f"a onecycle schedule of {n} steps" if n else "no onecycle schedule"
+                      for n in (length, planned))
+        raise UserError(f"checkpoint {checkpoint} has {had}, this run plans {plans}: resume with the "
+                        f"scheduler, epochs, batch size and process count it was written with")
+    return saved

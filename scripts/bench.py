@@ -34,6 +34,11 @@ least disturbed one), and the median of the per-round ratios.
 All share one torch thread count (`--threads`). Then the recipe is launched `--startup_runs`
 times as a subprocess to time its start-up.
 
+`--startup_cache` (MNIST) times only the start-up, from the end of the imports to the first
+training step, on a datasets cache that starts empty: the first launch (the decoded images are
+written to the cache), the second (they are read from it), and the second with
+`--cache_decoded false` (decoded again, as before the cache).
+
 `--also` (U-Net) adds the recipe with its `channels_last` setting and/or with the model
 compiled as the accelerate config's `dynamo_backend: INDUCTOR` compiles it (torch.compile after
 prepare()), to the same rounds; the report gives each one's speed over the plain recipe's.
@@ -582,6 +587,80 @@ RECIPES = {
 }
 
 
+# ------------------------------------------------------------------ start-up, cold and warm cache
+
+# What a timed start-up runs: the recipe's imports, a line that marks their end, then the recipe as
+# `python recipes/NAME.py ARGS` runs. The imports include two that come later in the recipe:
+# datasets (imported to load the data) and torch._dynamo, which torch imports when the first
+# optimizer is made, in any script (1-4 s on 2 busy CPU cores).
+STARTUP_CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+import datasets, torch._dynamo
+from recipe_module import load_recipe
+recipe = load_recipe({name!r})
+print("bench: imports done", flush=True)
+sys.argv = [recipe.__file__, *sys.argv[1:]]
+recipe.run(recipe.main, recipe.Config)
+"""
+STARTUP_RUNS = {  # label: (what it is, more recipe arguments)
+    "first": ("first run: datasets converts the files, the recipe decodes and caches", []),
+    "second": ("second run: the decoded images read from the cache", []),
+    "second_no_cache": ("second run with --cache_decoded false: decoded again", ["--cache_decoded", "false"]),
+}
+
+
+def time_from_imports(name, args, env):
+    """Run recipes/NAME.py ARGS once, as STARTUP_CHILD; return the seconds from launch to the end
+    of its imports, and from there to its start-up line `NAME: ` (printed right before the first
+    training step, after the data, the model and prepare())."""
+    code = STARTUP_CHILD.format(tests=str(REPO / "tests"), name=name)
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=REPO, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen, lines = {}, []
+    for line in proc.stdout:
+        lines.append(line)
+        for key, prefix in (("imports", "bench: imports done"), ("ready", f"{name}: ")):
+            if key not in seen and line.startswith(prefix):
+                seen[key] = time.perf_counter() - start
+    if proc.wait() != 0 or len(seen) != 2:
+        raise SystemExit(f"error: start-up run failed (exit {proc.returncode}): recipes/{name}.py "
+                         f"{' '.join(map(str, args))}\n{''.join(lines)[-3000:]}")
+    return {"launch_to_imports_done_s": round(seen["imports"], 3),
+            "imports_done_to_first_step_s": round(seen["ready"] - seen["imports"], 3)}
+
+
+def bench_startup_cache(args):
+    """--startup_cache: start the recipe on args.dataset as in STARTUP_RUNS, one fresh process
+    each, all on one datasets cache that starts empty (HF_DATASETS_CACHE in a temporary folder,
+    removed after), and time each from the end of its imports to its first training step."""
+    if args.recipe != "mnist":
+        raise SystemExit("error: --startup_cache is for --recipe mnist, the recipe with cache_decoded")
+    folder = Path(tempfile.mkdtemp(prefix="bench-startup-"))
+    print(f"{args.recipe} start-up on {args.dataset}, {os.cpu_count()} cores, from the end of the imports "
+          f"to the first training step (3 launches; load average {os.getloadavg()[0]:.2f})", flush=True)
+    runs = {}
+    try:
+        for label, (what, more) in STARTUP_RUNS.items():
+            recipe_args = ["--dataset", args.dataset, "--smoke", "--smoke_steps", 1,
+                           "--output_dir", folder / label, *more]
+            runs[label] = {"what": what, **time_from_imports(args.recipe, recipe_args,
+                                                             {"HF_DATASETS_CACHE": str(folder / "cache")})}
+            print(f"  {runs[label]['imports_done_to_first_step_s']:6.2f} s  {what} (imports "
+                  f"{runs[label]['launch_to_imports_done_s']:.2f} s before)", flush=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    report = {"recipe": args.recipe, "dataset": args.dataset, "torch": torch.__version__,
+              "cpu_cores": os.cpu_count(), "load_average_1min_after": round(os.getloadavg()[0], 2),
+              "runs": runs}
+    out = Path(args.json or f"runs/bench/{args.recipe}-startup.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 # ---------------------------------------------------------------------------------------- driver
 
 
@@ -683,11 +762,15 @@ def main():
                    help="U-Net: also measure the recipe with channels_last, or compiled (see above)")
     p.add_argument("--image_size", type=int, help="U-Net: the recipe's image_size (default: the recipe's)")
     p.add_argument("--batch_size", type=int, help="U-Net: the recipe's batch_size (default: the recipe's)")
+    p.add_argument("--startup_cache", action="store_true",
+                   help="only time start-up: a first and a second launch on an empty datasets cache (see above)")
     args = p.parse_args()
     bench, defaults = RECIPES[args.recipe]
     for key, value in defaults.items():  # what the command line left out
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.startup_cache:
+        return bench_startup_cache(args)
     args.json = args.json or f"runs/bench/{args.recipe}{'_loader' if args.loader is not None else ''}.json"
     if args.steps < 0 or args.reps < 1 or args.warmup < 0 or args.threads < 1 or args.startup_runs < 0:
         p.error("--steps, --warmup and --startup_runs cannot be negative; --reps and --threads must be at least 1")

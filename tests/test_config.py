@@ -129,7 +129,7 @@ def test_help_of_the_mnist_recipe(mnist):
     assert "  --dataset STR (default: ylecun/mnist)  hub name or local folder" in lines
     assert "  --max_steps INT (default: 0)  stop after this many optimizer steps (0: train all epochs)" in lines
     assert "  --epochs INT (default: 14)" in lines
-    assert "  --lr FLOAT (default: 1.0)  Adadelta learning rate" in lines
+    assert "  --lr FLOAT (default: 1.0)  learning rate; onecycle: its peak" in lines
     smoke = "  --smoke BOOL (default: false)  train smoke_steps steps of one epoch, then evaluate: for tests and CI"
     assert smoke in lines
     assert "Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume." in lines
