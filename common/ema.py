@@ -1,8 +1,7 @@
 """An exponential moving average (EMA) of a model's weights, as timm and torchvision's references
 keep one: after every optimizer step, ema = decay * ema + (1 - decay) * weights.
 
-    ema = EMA(accelerator.unwrap_model(model, keep_torch_compile=False), cfg.ema_decay)
-    accelerator.register_for_checkpointing(ema)    # part of every checkpoint, for an exact resume
+    ema = EMA.of(model, accelerator, cfg.ema_decay)   # after prepare(); None for decay 0
     ...
     optimizer.step()                               # then, once per optimizer step:
     ema.update()
@@ -32,6 +31,16 @@ class EMA:
         pairs += list(zip(self.module.buffers(), model.buffers()))
         self.averaged = [(e, m) for e, m in pairs if e.is_floating_point()]
         self.copied = [(e, m) for e, m in pairs if not e.is_floating_point()]
+
+    @classmethod
+    def of(cls, model, accelerator, decay):
+        """The EMA of a prepared model's unwrapped weights, registered with the accelerator so
+        that it is part of every checkpoint (an exact resume); None for decay 0 (no average)."""
+        if not decay:
+            return None
+        ema = cls(accelerator.unwrap_model(model, keep_torch_compile=False), decay)
+        accelerator.register_for_checkpointing(ema)
+        return ema
 
     @torch.no_grad()
     def update(self):

@@ -243,10 +243,7 @@ def main(cfg):
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader)
     scheduler = make_scheduler(optimizer, cfg, len(train_loader))  # unprepared: stepped once a step
-    ema = None
-    if cfg.ema_decay:  # a moving average of the unwrapped model's weights, in every checkpoint
-        ema = EMA(accelerator.unwrap_model(model, keep_torch_compile=False), cfg.ema_decay)
-        accelerator.register_for_checkpointing(ema)
+    ema = EMA.of(model, accelerator, cfg.ema_decay)  # the weights' moving average; None if 0
     sizes = f"{len(train_loader.dataset)} train / {len(test_loader.dataset)} test samples"
     accelerator.print(f"{NAME}: {describe(accelerator, cfg.batch_size)}; lr {lr:g}; {sizes}; "
                       f"outputs to {out}/")

@@ -250,10 +250,7 @@ def main(cfg):
     else:
         model, optimizer, train_loader, val_loader = accelerator.prepare(
             model, optimizer, train_loader, val_loader)
-    ema = None
-    if cfg.ema_decay:  # a moving average of the unwrapped model's weights, in every checkpoint
-        ema = EMA(accelerator.unwrap_model(model, keep_torch_compile=False), cfg.ema_decay)
-        accelerator.register_for_checkpointing(ema)
+    ema = EMA.of(model, accelerator, cfg.ema_decay)  # the weights' moving average; None if 0
     if cfg.scheduler == "cosine":  # fit_cosine() sets its length once a resume says where we are
         scheduler = CosineAnnealingLR(optimizer, T_max=1)
     else:
