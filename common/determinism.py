@@ -30,6 +30,9 @@ def set_deterministic(enabled, benchmark=True):
     """
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(enabled, warn_only=False)
+    # Switching it off when it is off already would import torch's compiler for nothing (about
+    # 1 s: use_deterministic_algorithms sets an inductor option too).
+    if enabled or torch.are_deterministic_algorithms_enabled():
+        torch.use_deterministic_algorithms(enabled, warn_only=False)
     torch.backends.cudnn.deterministic = enabled
     torch.backends.cudnn.benchmark = benchmark and not enabled
