@@ -29,7 +29,6 @@ from accelerate.utils import gather_object
 from PIL import Image
 from safetensors import SafetensorError, safe_open
 from torch.utils.data import DataLoader, Dataset
-from torchvision.transforms.v2.functional import InterpolationMode, pil_to_tensor, resize
 
 from common.checkpoint import load_weights
 from common.config import RunConfig, UserError, require, require_at_least
@@ -356,6 +355,10 @@ def decode_pair(source, i, values, size=None):
     """Sample i of `source` as uint8 tensors: the RGB image [3, H, W] and its class indices
     [H, W] (int64 for more than 256 classes), resized to `size` (height, width) if given: the
     image antialiased, the mask by nearest neighbour. A DataError names a file that fails."""
+    # Imported here, not at the top: torchvision loads torch's compiler, over 1 s that --help and
+    # the checks before any image is decoded need not wait.
+    from torchvision.transforms.v2.functional import InterpolationMode, pil_to_tensor, resize
+
     path, mask, name = source[i]  # a table row is decoded here, once
     image, mask_values = read_pair(path, mask, name)
     try:
@@ -690,6 +693,8 @@ def sample_images(cfg, weights, count=4):
     """Up to `count` validation images as the model takes them (float [N, 3, H, W] in 0..1), at
     the size it was trained on (input_size, or the first image's own size padded), and the first
     one again at another size (16 and 32 pixels more): real inputs to check an export on."""
+    from torchvision.transforms.v2.functional import resize  # see decode_pair
+
     _, val_source = open_sources(cfg)
     images = [decode_pair(val_source, i, weights.mask_values)[0] for i in range(min(count, len(val_source)))]
     h, w = weights.input_size or (padded(images[0].shape[1]), padded(images[0].shape[2]))
@@ -701,6 +706,8 @@ def predict(cfg, accelerator, build_model):
     """A mask PNG per image of the --predict glob, at the image's size, in the training masks'
     values; --overlay also paints the classes on the image. Each process does a share.
     build_model(settings) rebuilds the model from the settings stored in the weights file."""
+    from torchvision.transforms.v2.functional import pil_to_tensor, resize  # see decode_pair
+
     model, weights = load_model(cfg, build_model, accelerator.device)
     num_classes = weights.model["num_classes"]
     files = sorted(p for p in glob.glob(cfg.predict) if Path(p).suffix.lower() in IMAGE_SUFFIXES)
