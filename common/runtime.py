@@ -44,7 +44,9 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
     Machine settings (processes, precision, machines) come from the accelerate config,
     never from here. Three things are decided here:
     - on a machine with no GPU, a multi-process launch runs real DDP over gloo on the CPU.
-      Without this, Accelerate quietly starts N independent single-process trainings.
+      Without this, Accelerate quietly starts N independent single-process trainings. An FSDP
+      config there stops with an error instead, and so does, on GPUs, a launch whose process
+      count Accelerate does not see.
     - the data order is a function of (seed, epoch) only (`use_seedable_sampler`), so it is
       the same on every rank, changes every epoch, and can be replayed on resume.
     - prepared loaders copy batches to the GPU with non_blocking=True. A blocking copy from
@@ -55,6 +57,9 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
     _ask_for_lomo_once()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cpu_ddp = world_size > 1 and not torch.cuda.is_available()
+    if cpu_ddp and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        raise UserError("distributed_type FSDP needs GPUs, and this machine has none: for several CPU "
+                        "processes use accelerate_configs/2gpu.yaml (DDP over gloo)")
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if torch.cuda.is_available() and local_processes > torch.cuda.device_count():
         raise UserError(
@@ -324,6 +329,20 @@ def elastic_restart():
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
+def _stop_loader_workers():
+    """Stop the DataLoader workers of every live loader iterator now, while each is whole.
+
+    After an error the iterators sit in a reference cycle with the traceback. gc.collect()
+    would clear their queues before their __del__ runs, so the stop message never reaches a
+    worker and torch waits 5 s for each one: a data error found by a worker made the process
+    linger 10 s after its error line."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    for obj in gc.get_objects():
+        if type(obj) is _MultiProcessingDataLoaderIter:  # isinstance() would wake lazy modules
+            obj._shutdown_workers()
+
+
 def run(main, config_class, argv=None):
     """Parse the config, call main(cfg), and turn user errors into one line and exit status 2.
 
@@ -364,6 +383,7 @@ def run(main, config_class, argv=None):
         # On the error path the traceback keeps main's locals (the DDP model) alive: drop them
         # before the process group goes, for the same reason as in close().
         sys.last_traceback = None
+        _stop_loader_workers()
         gc.collect()
         if PartialState._shared_state and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

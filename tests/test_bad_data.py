@@ -1,6 +1,7 @@
 """Corrupt, unreadable or missing data: one line that names the file (or the path) and the fix,
 on every rank, within seconds; never a raw traceback and never a hang."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -203,11 +204,22 @@ def test_a_truncated_image_stops_with_one_line_without_workers(truncated_image, 
     assert error_lines(res) == [f"error: cannot read image {bad} (image file is truncated): fix or remove the file"]
 
 
-def test_a_truncated_image_read_by_a_worker_is_named(truncated_image, tmp_path):
+def test_a_truncated_image_read_by_a_worker_is_named_and_the_run_exits_at_once(truncated_image, tmp_path):
+    # Two loaders with a persistent worker each: torch's own shutdown after the error waited 5 s
+    # for each worker, so the process lingered 10 s after its error line.
     root, bad = truncated_image
-    res = launch([UNET, "--dataset", root, "--output_dir", tmp_path / "out", "--smoke", "--num_workers", 1,
-                  "--cache_images", "false", *UNET_FAST], launcher="python", env=ONE_THREAD)
-    assert res.returncode != 0 and f"cannot read image {bad} (" in res.output, res
+    cmd = [sys.executable, UNET, "--dataset", root, "--output_dir", tmp_path / "out", "--smoke", "--num_workers", 1,
+           "--cache_images", "false", *UNET_FAST]
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD})
+    output, said = "", None
+    for line in proc.stdout:  # "error:" follows the progress bar's carriage returns on its line
+        output += line
+        if said is None and "error: " in line:
+            said = time.monotonic()
+    proc.wait(timeout=60)
+    assert said is not None and proc.returncode == 2 and f"cannot read image {bad} (" in output, output
+    assert time.monotonic() - said < 4, "the process lingered after its error line"
 
 
 def test_a_truncated_image_stops_both_ranks_with_one_line_as_they_fill_the_cache(truncated_image, tmp_path):
