@@ -1,6 +1,7 @@
 """The config contract: defaults <- --config YAML <- --field value, strictly checked."""
 
 import dataclasses
+import re
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -8,6 +9,7 @@ from typing import Optional
 import pytest
 
 from common.config import ConfigError, ShowHelp, parse_config
+from common.data import DataError
 from conftest import launch
 from recipe_module import load_recipe
 
@@ -181,24 +183,51 @@ def test_an_alias_hints_only_at_a_field_of_the_class(tmp_path):
         (["--lr", "-1"], "lr must be positive, got -1.0"),
         (["--eval_only"], "eval_only needs --weights FILE or --resume CHECKPOINT"),
         (["--bogus", "1"], "unknown setting 'bogus'"),
-        (["--dataset", "./no/such/dir"], "dataset path ./no/such/dir does not exist"),
-        (["--dataset", "ylecun/mnist"], "point --dataset at a local folder"),
     ],
 )
-def test_the_recipe_reports_bad_input_in_one_line(args, message, tmp_path):
-    res = launch(["recipes/mnist.py", "--output_dir", tmp_path, *args], launcher="python")
-    assert res.returncode == 2, res
-    lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res
+def test_the_recipe_rejects_bad_settings(mnist, args, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config(mnist.Config, args)
+    assert message in str(e.value)
 
 
-@pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_help_lists_every_setting_and_exits_0(flag):
-    res = launch(["recipes/unet.py", flag, "--bogus", "1"], launcher="python")
+@pytest.mark.parametrize(
+    "dataset, message",
+    [("./no/such/dir", "dataset path ./no/such/dir does not exist"), ("ylecun/mnist", "point --dataset at a local folder")],
+)
+def test_the_recipe_says_where_data_is_missing(mnist, dataset, message):
+    with pytest.raises(DataError, match=re.escape(message)):
+        mnist.make_loaders(mnist.Config(dataset=dataset))
+
+
+def one_error_line(res):
+    """The one line of a run that stopped on bad input, less `python -X importtime`'s lines."""
+    lines = [line for line in res.output.strip().splitlines() if not line.startswith("import time:")]
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), res
+    return lines[0]
+
+
+def test_a_bad_setting_and_missing_data_are_one_line_and_load_no_compiler(tmp_path):
+    # The launches behind the two tests above. A run that stops before its optimizer exists has
+    # no use for torch's compiler: importing it cost every such run over a second.
+    res = launch(["recipes/mnist.py", "--output_dir", tmp_path, "--batch_size", "0"], launcher="python")
+    assert "batch_size must be at least 1, got 0" in one_error_line(res)
+    res = launch(["-X", "importtime", "recipes/mnist.py", "--output_dir", tmp_path, "--dataset", "./no/such/dir"],
+                 launcher="python")
+    assert "dataset path ./no/such/dir does not exist" in one_error_line(res)
+    imported = {line.split("|")[-1].strip() for line in res.output.splitlines() if line.startswith("import time:")}
+    assert "torch" in imported and not {"torch._dynamo", "torch._inductor"} & imported
+
+
+def test_help_lists_every_setting_and_exits_0_without_importing_torchvision():
+    res = launch(["-X", "importtime", "recipes/unet.py", "--help", "--bogus", "1"], launcher="python")
     assert res.returncode == 0, res
-    assert res.output.startswith("usage: python recipes/unet.py")
+    imported = {line.split("|")[-1].strip() for line in res.output.splitlines() if line.startswith("import time:")}
+    assert "torch" in imported and "torchvision" not in imported  # over a second, for nothing
+    text = "".join(line for line in res.output.splitlines(keepends=True) if not line.startswith("import time:"))
+    assert text.startswith("usage: python recipes/unet.py"), res
     for line in ("--max_steps INT (default: 0)  stop after this many optimizer steps",  # RunConfig
                  "--num_classes INT (default: 0)  with background; 0: one per mask value",  # SegmentationConfig
                  "--base_channels INT (default: 64)  width of the first level",  # the recipe's own
                  "--log_every INT (default: 20)"):  # redeclared in the recipe
-        assert line in res.output, res
+        assert line in text, res

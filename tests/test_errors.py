@@ -141,3 +141,17 @@ def test_two_processes_with_dataloader_workers_exit_cleanly(tiny_mnist, tmp_path
     res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--smoke", "--batch_size", 16,
                   "--num_workers", 2], nproc=2, timeout=180)
     assert_ok(res)
+
+
+def test_a_launch_accelerate_would_run_as_independent_trainings_stops_with_one_line(tiny_mnist, tmp_path):
+    # FSDP needs GPUs: on a machine with none, 2 processes would each train alone (README: No
+    # silent independent runs).
+    config = tmp_path / "fsdp.yaml"
+    config.write_text("distributed_type: FSDP\nnum_machines: 1\nnum_processes: 2\nmixed_precision: 'no'\n")
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path / "out", "--smoke"], nproc=2,
+                 config=config)
+    errors = [line for line in res.output.splitlines() if line.startswith("error")]
+    assert res.returncode != 0 and errors == [
+        "error: distributed_type FSDP needs GPUs, and this machine has none: for several CPU processes use "
+        "accelerate_configs/2gpu.yaml (DDP over gloo)"], res
+    assert not (tmp_path / "out").exists()
