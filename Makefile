@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 DEMO_OUT ?= runs/mnist-demo
 UNET_DEMO_OUT ?= runs/unet-demo
 
-.PHONY: help venv demo demo-unet demo-ddp test stress gpu-check clean
+.PHONY: help venv demo demo-unet demo-ddp test test-full stress gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z_/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -44,7 +44,10 @@ demo-ddp: $(BIN)/.installed  ## the MNIST demo with 2 processes (2 GPUs, or 2 CP
 	$(BIN)/accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py \
 		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)-ddp
 
-test: $(BIN)/.installed  ## run the test suite (real 1- and 2-process launches on tiny data)
+test: $(BIN)/.installed  ## the fast tier: every contract the README claims, real launches (~3 min on 2 cores)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+test-full: $(BIN)/.installed  ## every test, the fast tier and the slow one: what CI runs (~12 min on 2 cores)
 	$(BIN)/python -m pytest -q tests
 
 stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean exits

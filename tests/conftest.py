@@ -4,6 +4,7 @@ recipes exactly as users do (python, accelerate launch, torchrun) in a subproces
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,10 +35,16 @@ class Result:
         return f"exit {self.returncode}\n{self.output[-4000:]}"
 
 
-def launch(script_args, nproc=1, launcher="accelerate", config=None, env=None, timeout=300, launcher_args=()):
+def launch(script_args, nproc=1, launcher=None, config=None, env=None, timeout=300, launcher_args=()):
     """Run a recipe the way a user would; return its exit code and combined output.
+    launcher: "python", "accelerate" or "torchrun". None: `accelerate launch` with a config or 2
+    processes; else `python` on the CPU, as cpu.yaml runs it, without the launcher's 1.5 s.
     launcher_args: more arguments for accelerate launch or torchrun, such as ["--max-restarts", 1]."""
     script_args = [str(a) for a in script_args]
+    if launcher is None:
+        launcher = "accelerate" if nproc > 1 or config else "python"
+        if launcher == "python":
+            env = {"ACCELERATE_USE_CPU": "1", **(env or {})}
     if launcher == "python":
         assert nproc == 1
         cmd = [sys.executable, *script_args]
@@ -65,6 +72,16 @@ def launch(script_args, nproc=1, launcher="accelerate", config=None, env=None, t
         out, _ = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-4000:]}")
     return Result(proc, out)
+
+
+def stopped_at(straight, step, split):
+    """`split` holding only checkpoints/step-N of `straight`: what a run stopped at step N leaves
+    to resume from. A checkpoint is written the same way on a stop and every N steps (a straight
+    run with --checkpoint_every_steps), so one run gives both the straight weights and the
+    checkpoint to resume: 2 launches where a separate stopped run made 3."""
+    name = f"step-{step:08d}"
+    shutil.copytree(Path(straight) / "checkpoints" / name, Path(split) / "checkpoints" / name)
+    return split
 
 
 def make_shapes(root, count, size):
@@ -127,6 +144,16 @@ def tiny_mnist(tmp_path_factory):
     _write_split(root / "train.parquet", encode_id(images[:N_TRAIN].copy()), labels[:N_TRAIN])
     _write_split(root / "test.parquet", encode_id(images[N_TRAIN:].copy()), labels[N_TRAIN:])
     return root
+
+
+@pytest.fixture(scope="session")
+def mnist_checkpoint(tiny_mnist, tmp_path_factory):
+    """A `python recipes/mnist.py` run on tiny_mnist stopped by max_steps at step 2 (batch 32, 8 steps
+    an epoch): its checkpoint is mid-epoch. Tests read it as it is, or break a copy of it."""
+    out = tmp_path_factory.mktemp("mnist_checkpoint")
+    assert_ok(launch(["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", out, "--max_steps", 2,
+                      "--batch_size", 32, "--eval_batch_size", 256], launcher="python"))
+    return out
 
 
 @pytest.fixture(scope="session", autouse=True)

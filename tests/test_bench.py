@@ -2,6 +2,7 @@
 
 import importlib.util
 
+import pytest
 import torch
 
 from conftest import REPO
@@ -15,6 +16,7 @@ def load_bench():
     return module
 
 
+@pytest.mark.slow
 def test_flops_per_sample_counts_forward_and_backward_of_one_sample():
     bench = load_bench()
     # Linear 4 -> 3: forward 2 x 4 x 3 per sample; backward the weight gradient only (the input

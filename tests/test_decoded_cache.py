@@ -25,6 +25,7 @@ def split_file(folder, samples):
     raise AssertionError(f"no cache file of {samples} samples in {folder}")
 
 
+@pytest.mark.slow
 def test_a_second_run_reads_the_cache_and_trains_the_same(tiny_mnist, tmp_path):
     hf_home, folder = tmp_path / "hf_home", tmp_path / "hf_home" / "datasets" / "decoded"
 

@@ -2,13 +2,14 @@
 both resume exactly, and every rank stops after the same evaluation."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from common.config import ConfigError, parse_config
-from conftest import assert_ok, launch, make_shapes, read_metrics
+from conftest import assert_ok, launch, make_shapes, read_metrics, stopped_at
 from recipe_module import load_recipe
 
 MNIST = "recipes/mnist.py"
@@ -28,12 +29,14 @@ def assert_identical(a, b):
         assert torch.equal(a[k], b[k]), f"{k} differs by {(a[k] - b[k]).abs().max()}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, steps", [(1, 10), (2, 7)])  # one whole epoch, then part of the next
 def test_the_moving_average_resumes_bit_identically(tiny_mnist, tmp_path, nproc, steps):
     straight, split = tmp_path / "straight", tmp_path / "split"
     ema = ["--ema_decay", 0.9]
-    train(tiny_mnist, straight, *ema, "--max_steps", steps, nproc=nproc)
-    train(tiny_mnist, split, *ema, "--max_steps", 3, nproc=nproc)  # mid-epoch 1
+    train(tiny_mnist, straight, *ema, "--max_steps", steps, "--checkpoint_every_steps", 3, "--keep_checkpoints", 5,
+          nproc=nproc)
+    stopped_at(straight, 3, split)  # mid-epoch 1
     res = train(tiny_mnist, split, *ema, "--max_steps", steps, "--resume", "latest", nproc=nproc)
     assert "(epoch 1, step 3)" in res.output
     for name in ("model.safetensors", "model_ema.safetensors"):
@@ -48,15 +51,17 @@ def test_the_moving_average_resumes_bit_identically(tiny_mnist, tmp_path, nproc,
     assert state["ema_decay"] == 0.9 and state["best_ema_accuracy"] == max(complete)
 
 
-def test_a_checkpoint_resumes_only_with_its_ema_setting(tiny_mnist, tmp_path):
-    train(tiny_mnist, tmp_path, "--max_steps", 3)
-    res = launch([MNIST, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON, "--resume", "latest",
+@pytest.mark.slow
+def test_a_checkpoint_resumes_only_with_its_ema_setting(tiny_mnist, mnist_checkpoint, tmp_path):
+    run = shutil.copytree(mnist_checkpoint, tmp_path / "run")  # written without ema_decay
+    res = launch([MNIST, "--dataset", tiny_mnist, "--output_dir", run, *COMMON, "--resume", "latest",
                   "--ema_decay", 0.9], launcher="python")
     assert res.returncode == 2, res
     assert "was written with ema_decay 0.0, not 0.9: resume it with --ema_decay 0.0" in res.output, res
     assert "Traceback" not in res.output
 
 
+@pytest.mark.slow
 def test_early_stopping_stops_every_rank_and_its_patience_survives_a_resume(tiny_mnist, tmp_path):
     # A learning rate too small to change a prediction: the accuracy never improves after epoch 1.
     # 4 steps an epoch on 2 processes: max_steps 8 stops at the end of epoch 2, one evaluation into
@@ -72,6 +77,7 @@ def test_early_stopping_stops_every_rank_and_its_patience_survives_a_resume(tiny
     assert "epoch 4:" not in res.output and read_metrics(tmp_path)[-1]["epoch"] is None
 
 
+@pytest.mark.slow
 def test_the_unet_averages_its_batchnorm_and_stops_early(tmp_path):
     shapes = make_shapes(tmp_path / "shapes", 40, 48)
     out = tmp_path / "run"

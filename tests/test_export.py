@@ -89,6 +89,7 @@ def unet_onnx(unet_weights):
     return res, weights.with_suffix(".onnx")
 
 
+@pytest.mark.slow
 def test_mnist_export_writes_a_checked_onnx_file_for_any_batch(mnist_weights, tiny_mnist):
     res = launch([MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights],
                  launcher="python", env=ONE_THREAD)
@@ -104,6 +105,7 @@ def test_mnist_export_writes_a_checked_onnx_file_for_any_batch(mnist_weights, ti
         assert (OnnxModel(onnx_file)(x) - torch_model("mnist", mnist_weights)(x)).abs().max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_unet_export_takes_any_batch_and_image_size(unet_onnx, unet_weights):
     res, onnx_file = unet_onnx
     path, worst, shapes = checked(res)
@@ -120,6 +122,7 @@ def test_unet_export_takes_any_batch_and_image_size(unet_onnx, unet_weights):
         assert (OnnxModel(onnx_file)(x) - torch_model("unet", unet_weights[1])(x)).abs().max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_unet_predict_from_onnx_writes_the_same_masks(unet_onnx, unet_weights, tmp_path):
     data, weights = unet_weights
     for source in (weights, unet_onnx[1]):
@@ -142,6 +145,7 @@ def hide(tmp_path, package):
     return {"PYTHONPATH": str(tmp_path)}
 
 
+@pytest.mark.slow
 def test_a_missing_exporter_package_is_one_line(mnist_weights, tiny_mnist, tmp_path):
     res = launch([MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights],
                  launcher="python", env=hide(tmp_path, "onnxscript"))
@@ -150,6 +154,7 @@ def test_a_missing_exporter_package_is_one_line(mnist_weights, tiny_mnist, tmp_p
         "error: export onnx needs the onnxscript package: pip install -r requirements-extras.txt")
 
 
+@pytest.mark.slow
 def test_a_missing_onnxruntime_for_predict_is_one_line(unet_onnx, unet_weights, tmp_path):
     onnx_file = unet_onnx[1]
     res = launch([UNET, "--predict", f"{unet_weights[0]}/imgs/*.png", "--weights", onnx_file,
@@ -161,6 +166,7 @@ def test_a_missing_onnxruntime_for_predict_is_one_line(unet_onnx, unet_weights, 
         f"pip install -r requirements-extras.txt"]
 
 
+@pytest.mark.slow
 def test_export_without_weights_is_one_line(tmp_path):
     res = launch([MNIST, "--export", "onnx"], launcher="python")
     assert res.returncode == 2
@@ -183,6 +189,7 @@ def test_bad_export_settings_are_rejected():
             parse_config(config.Config, args)
 
 
+@pytest.mark.slow
 def test_export_runs_on_one_process(mnist_weights, tiny_mnist):
     res = launch([MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights],
                  nproc=2)
@@ -191,6 +198,7 @@ def test_export_runs_on_one_process(mnist_weights, tiny_mnist):
         "error: export runs on one process: start it with python, not a multi-process launch"], res
 
 
+@pytest.mark.slow
 def test_an_export_that_differs_from_torch_is_one_line(tmp_path):
     torch.manual_seed(0)
     conv, x = torch.nn.Conv2d(3, 2, 3), torch.rand(2, 3, 8, 8)
@@ -203,6 +211,7 @@ def test_an_export_that_differs_from_torch_is_one_line(tmp_path):
         check_onnx(conv, tmp_path / "conv.onnx", [x, x[:1]])
 
 
+@pytest.mark.slow
 def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights):
     data, _ = unet_weights
     cfg = parse_config(load_recipe("unet").Config, ["--dataset", str(data), *map(str, UNET_DATA)])

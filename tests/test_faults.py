@@ -89,6 +89,7 @@ def assert_same_weights(a, b):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher, nproc", [("python", 1), ("accelerate", 2)])
 def test_ctrl_c_with_dataloader_workers_checkpoints_and_resumes_bit_exactly(shapes, tmp_path, launcher, nproc):
     args = ["recipes/unet.py", "--dataset", shapes, *UNET_ARGS]
@@ -105,6 +106,7 @@ def test_ctrl_c_with_dataloader_workers_checkpoints_and_resumes_bit_exactly(shap
     assert_same_weights(split, straight)
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_with_dataloader_workers_checkpoints_every_rank(tiny_mnist, tmp_path):
     args = ["recipes/mnist.py", "--dataset", tiny_mnist, *MNIST_ARGS]
     code, out = interrupt(command("torchrun", 2, [*args, "--output_dir", tmp_path]), tmp_path, signal.SIGTERM,
@@ -117,6 +119,7 @@ def test_sigterm_to_torchrun_with_dataloader_workers_checkpoints_every_rank(tiny
     assert f"step {step})" in res.output and read_metrics(tmp_path)[-1]["step"] == step + 2
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_the_first_epoch_under_the_single_process_launcher_with_workers(tmp_path):
     # The shipped sample: 125 steps an epoch, so Ctrl-C lands in epoch 1, whose workers start
     # before the first step.
@@ -138,6 +141,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_every_rank_with_one_line_and_keeps_the_last_checkpoint(tiny_mnist, small_disk, tmp_path):
     out = small_disk / "run"
     res = launch(["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", out, "--batch_size", 32,
@@ -157,6 +161,7 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_keeps_the_last_checkpoin
     assert "(epoch 1, step 2)" in res.output
 
 
+@pytest.mark.slow
 def test_a_second_run_into_the_same_folder_stops_at_once(tiny_mnist, tmp_path):
     args = [sys.executable, "recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", tmp_path, "--batch_size", 32,
             "--epochs", 200, "--num_workers", 2, "--data_on_device", "false"]
@@ -186,6 +191,7 @@ def test_a_second_run_into_the_same_folder_stops_at_once(tiny_mnist, tmp_path):
     assert epochs == list(range(1, len(epochs) + 1)), epochs  # one run's epochs, no second run's mixed in
 
 
+@pytest.mark.slow
 def test_resume_latest_into_a_folder_that_does_not_exist_is_an_error(tiny_mnist, tmp_path):
     res = launch(["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", tmp_path / "typo", "--resume", "latest"],
                  launcher="python")
@@ -196,6 +202,7 @@ def test_resume_latest_into_a_folder_that_does_not_exist_is_an_error(tiny_mnist,
     assert not (tmp_path / "typo").exists()
 
 
+@pytest.mark.slow
 def test_a_run_that_fails_before_training_leaves_no_folder(tmp_path):
     res = launch(["recipes/mnist.py", "--dataset", "./nowhere", "--output_dir", tmp_path / "new"], launcher="python")
     assert res.returncode == 2 and "dataset path ./nowhere does not exist" in res.output, res

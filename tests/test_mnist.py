@@ -41,11 +41,12 @@ def test_single_process_writes_the_output_contract(trained):
     assert f"outputs in {out}/" in res.output
 
 
-def test_two_process_ddp_exact_eval_count(tiny_mnist, tmp_path):
+def test_two_process_ddp_exact_eval_count_and_a_clean_exit_with_workers(tiny_mnist, tmp_path):
     # 1001 test samples over 2 processes x batch 64: the last batch is padded with duplicates,
-    # and every one of them must be dropped from the count.
+    # and every one of them must be dropped from the count. With 2 persistent DataLoader workers
+    # per process, both processes must still exit cleanly (assert_ok: no abort at shutdown).
     res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--smoke",
-                  "--batch_size", 16, "--eval_batch_size", 64, "--scale_lr"], nproc=2)
+                  "--batch_size", 16, "--eval_batch_size", 64, "--scale_lr", "--num_workers", 2], nproc=2, timeout=180)
     assert_ok(res)
     assert "2 process(es) on cpu, gloo" in res.output
     (row,) = read_metrics(tmp_path)
@@ -59,7 +60,8 @@ def test_eval_is_identical_on_one_and_two_processes(trained, tiny_mnist, tmp_pat
     for nproc in (1, 2):
         out = tmp_path / f"eval{nproc}"
         res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out,
-                      "--eval_only", "--weights", weights, "--eval_batch_size", 64], nproc=nproc)
+                      "--eval_only", "--weights", weights, "--eval_batch_size", 64], nproc=nproc,
+                     launcher="accelerate")  # accelerate launch with 1 process, and with 2
         assert_ok(res)
         (results[nproc],) = read_metrics(out)
     assert results[1]["eval_samples"] == results[2]["eval_samples"] == N_TEST
@@ -68,6 +70,7 @@ def test_eval_is_identical_on_one_and_two_processes(trained, tiny_mnist, tmp_pat
     assert results[1]["eval_loss"] == pytest.approx(results[2]["eval_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_only_into_the_training_folder_adds_a_line_and_keeps_its_config(trained, tiny_mnist):
     out = trained[0]
     config, rows = (out / "config.yaml").read_text(), len(read_metrics(out))
@@ -106,15 +109,6 @@ def test_torchrun_runs_real_ddp(tiny_mnist, tmp_path):
     assert row["world_size"] == 2 and row["eval_samples"] == N_TEST
 
 
-def test_gradient_accumulation_counts_optimizer_steps(tiny_mnist, tmp_path):
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--epochs", 1,
-                  "--batch_size", 32, "--gradient_accumulation_steps", 2], launcher="python")
-    assert_ok(res)
-    assert "batch 32 per process = 64 per optimizer step" in res.output
-    (row,) = read_metrics(tmp_path)
-    assert row["step"] == N_TRAIN // 64
-
-
 TINY_MODEL = """
 class TinyNet(nn.Module):  # the user's own model
     def __init__(self):
@@ -144,6 +138,7 @@ def copy_with_tiny_model():
         copy.unlink()
 
 
+@pytest.mark.slow
 def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
     with copy_with_tiny_model() as copy:
         one = launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "one", "--smoke"], launcher="python")
@@ -154,15 +149,19 @@ def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
         assert set(load_file(tmp_path / out / "model.safetensors")) == {"fc.weight", "fc.bias"}
 
 
-def test_a_short_last_accumulation_group_steps_with_the_mean_gradient(tiny_mnist, tmp_path):
+@pytest.mark.slow
+def test_gradient_accumulation_counts_optimizer_steps_and_a_short_last_group_steps_with_the_mean_gradient(
+        tiny_mnist, tmp_path):
     # 256 samples in batches of 32, accumulated 3 at a time, are groups of 3, 3 and 2 batches:
     # the samples of batches of 96, 96 and 64 without accumulation. With a model that has no
     # dropout or batch norm, the two runs must train the same weights, also on the short step.
     assert N_TRAIN == 256
     with copy_with_tiny_model() as copy:
         for out, batch_size, group in (("accumulated", 32, 3), ("whole", 96, 1)):
-            assert_ok(launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / out, "--epochs", 1,
-                              "--batch_size", batch_size, "--gradient_accumulation_steps", group], launcher="python"))
+            res = launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / out, "--epochs", 1,
+                          "--batch_size", batch_size, "--gradient_accumulation_steps", group], launcher="python")
+            assert_ok(res)
+            assert f"batch {batch_size} per process = 96 per optimizer step" in res.output
     accumulated, whole = (load_file(tmp_path / out / "model.safetensors") for out in ("accumulated", "whole"))
     assert read_metrics(tmp_path / "accumulated")[0]["step"] == read_metrics(tmp_path / "whole")[0]["step"] == 3
     for k in whole:

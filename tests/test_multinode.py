@@ -4,9 +4,12 @@ machine_rank 0 and 1, and main_process_ip 127.0.0.1, one CPU process each, train
 import os
 import subprocess
 
+import pytest
+
 from conftest import BIN, N_TEST, REPO, free_port, read_metrics
 
 
+@pytest.mark.slow
 def test_two_machines_train_as_one_job(tiny_mnist, tmp_path):
     port = free_port()
     procs = []

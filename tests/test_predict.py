@@ -48,6 +48,7 @@ def predict(weights, images, out, *args):
     return res
 
 
+@pytest.mark.slow
 def test_tiled_and_whole_predictions_agree(native, tmp_path):
     # A 192x256 mosaic of 3 x 4 training images: shapes at the scale the model learned, so that it
     # predicts a good share of foreground, which the tiles must place where the whole image does.
@@ -74,6 +75,7 @@ def test_tiles_blend_to_the_whole_image_for_a_pixelwise_model():
         assert tiled(net, x, 0) is not None and tiled(net, x, 256).shape == (2, 4, 208, 144)
 
 
+@pytest.mark.slow
 def test_a_large_image_predicts_in_tiles_in_bounded_memory(native, tmp_path):
     """Peak RSS of predict on a 2048x2048 image with 256-pixel tiles, less that on a 64x64 one."""
     big = make_shapes(tmp_path / "big", 1, 2048)
@@ -90,6 +92,7 @@ def test_a_large_image_predicts_in_tiles_in_bounded_memory(native, tmp_path):
     assert peaks["big"] - peaks["small"] < TILED_MB, peaks
 
 
+@pytest.mark.slow
 def test_predict_flip_averages_over_the_flips_of_training(native, tmp_path):
     assert SegmentationWeights.read(native.weights).flips == "hv"  # trained with hflip and vflip
     res = launch([RECIPE, "--eval_only", "true", "--weights", native.weights, "--dataset", native.data,

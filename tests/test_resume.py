@@ -1,6 +1,7 @@
 """Checkpoints and resume: exact continuation, atomic writes, restarts and interrupts."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 
 from common.checkpoint import _WROTE, choose_checkpoint
 from common.config import UserError
-from conftest import BIN, REPO, N_TEST, assert_ok, compile_config, free_port, launch, read_metrics
+from conftest import BIN, REPO, N_TEST, assert_ok, compile_config, free_port, launch, read_metrics, stopped_at
 
 RECIPE = "recipes/mnist.py"
 # 256 train samples, batch 32: 8 optimizer steps per epoch on 1 process, 4 on 2.
@@ -38,10 +39,17 @@ def train(data, out, *args, nproc=1):
     return res
 
 
-def test_stop_and_resume_gives_bit_identical_weights(tiny_mnist, tmp_path):
-    straight, split, from_epoch_end = tmp_path / "straight", tmp_path / "split", tmp_path / "epoch_end"
-    train(tiny_mnist, straight, "--max_steps", 13)
-    train(tiny_mnist, split, "--max_steps", 5)  # stops mid-epoch 1
+@pytest.fixture(scope="module")
+def straight(tiny_mnist, tmp_path_factory):
+    """13 steps on one process (8 an epoch), with checkpoints at steps 5, 8 (the end of epoch 1), 10 and 13."""
+    out = tmp_path_factory.mktemp("straight")
+    train(tiny_mnist, out, "--max_steps", 13, "--checkpoint_every_steps", 5, "--keep_checkpoints", 5)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{n:08d}" for n in (5, 8, 10, 13)]
+    return out
+
+
+def test_stop_and_resume_gives_bit_identical_weights(tiny_mnist, straight, tmp_path):
+    split = stopped_at(straight, 5, tmp_path / "split")  # mid-epoch 1
     res = train(tiny_mnist, split, "--max_steps", 13, "--resume", "latest")
     assert "resumed from" in res.output and "(epoch 1, step 5)" in res.output
     assert_identical(weights(straight), weights(split))
@@ -49,22 +57,26 @@ def test_stop_and_resume_gives_bit_identical_weights(tiny_mnist, tmp_path):
     (whole,) = [r for r in read_metrics(straight) if r["step"] == 8]
     (resumed,) = [r for r in read_metrics(split) if r["step"] == 8]
     assert resumed["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-12, abs=0)
-    # The checkpoint written at the end of epoch 1 (step 8) resumes exactly too.
-    res = train(tiny_mnist, from_epoch_end, "--max_steps", 13, "--resume", split / "checkpoints" / "step-00000008")
+    assert read_metrics(split)[-1]["step"] == read_metrics(straight)[-1]["step"] == 13
+
+
+@pytest.mark.slow
+def test_an_epoch_end_checkpoint_resumes_exactly_and_a_finished_run_only_evaluates(tiny_mnist, straight, tmp_path):
+    from_epoch_end = stopped_at(straight, 8, tmp_path / "epoch_end")
+    res = train(tiny_mnist, from_epoch_end, "--max_steps", 13, "--resume", "latest")
     assert "(epoch 2, step 8)" in res.output
     assert_identical(weights(straight), weights(from_epoch_end))
-    assert read_metrics(split)[-1]["step"] == read_metrics(straight)[-1]["step"] == 13
     # The same command again: max_steps is reached already, so it only evaluates.
-    before = sorted(p.name for p in (split / "checkpoints").iterdir())
-    res = train(tiny_mnist, split, "--max_steps", 13, "--resume", "latest")
-    assert "epoch 2:" not in res.output and sorted(p.name for p in (split / "checkpoints").iterdir()) == before
-    assert read_metrics(split)[-1]["epoch"] is None and read_metrics(split)[-1]["step"] == 13
-    assert_identical(weights(straight), weights(split))
+    before = sorted(p.name for p in (from_epoch_end / "checkpoints").iterdir())
+    res = train(tiny_mnist, from_epoch_end, "--max_steps", 13, "--resume", "latest")
+    assert "epoch 2:" not in res.output and sorted(p.name for p in (from_epoch_end / "checkpoints").iterdir()) == before
+    assert read_metrics(from_epoch_end)[-1]["epoch"] is None and read_metrics(from_epoch_end)[-1]["step"] == 13
+    assert_identical(weights(straight), weights(from_epoch_end))
 
 
-def test_max_steps_on_the_last_batch_of_an_epoch_completes_that_epoch(tiny_mnist, tmp_path):
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    train(tiny_mnist, straight, "--max_steps", 13)
+@pytest.mark.slow
+def test_max_steps_on_the_last_batch_of_an_epoch_completes_that_epoch(tiny_mnist, straight, tmp_path):
+    split = tmp_path / "split"
     train(tiny_mnist, split, "--max_steps", 8)  # 8 steps an epoch: the end of epoch 1
     res = train(tiny_mnist, split, "--max_steps", 13, "--resume", "latest")
     assert "(epoch 2, step 8)" in res.output
@@ -72,27 +84,29 @@ def test_max_steps_on_the_last_batch_of_an_epoch_completes_that_epoch(tiny_mnist
     assert_identical(weights(straight), weights(split))
 
 
+@pytest.mark.slow
 def test_resume_with_gradient_accumulation_is_exact(tiny_mnist, tmp_path):
     # 8 batches an epoch in groups of 3: steps of 3, 3 and 2 batches. Stop after step 4 (epoch 2,
     # batch 3); the resumed epoch must still weigh its short last group as the straight run does.
     straight, split = tmp_path / "straight", tmp_path / "split"
     accumulate = ["--gradient_accumulation_steps", 3]
-    train(tiny_mnist, straight, *accumulate, "--max_steps", 6)
-    train(tiny_mnist, split, *accumulate, "--max_steps", 4)
-    res = train(tiny_mnist, split, *accumulate, "--max_steps", 6, "--resume", "latest")
+    train(tiny_mnist, straight, *accumulate, "--max_steps", 6, "--checkpoint_every_steps", 4, "--keep_checkpoints", 5)
+    res = train(tiny_mnist, stopped_at(straight, 4, split), *accumulate, "--max_steps", 6, "--resume", "latest")
     assert "(epoch 2, step 4)" in res.output
     assert_identical(weights(straight), weights(split))
 
 
 def test_two_process_resume_is_exact_too(tiny_mnist, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train(tiny_mnist, straight, "--max_steps", 7, nproc=2)
-    train(tiny_mnist, split, "--max_steps", 3, nproc=2)  # mid-epoch: each rank skips its own 3 batches
-    train(tiny_mnist, split, "--max_steps", 7, "--resume", "latest", nproc=2)
-    assert_identical(weights(straight), weights(split))
+    train(tiny_mnist, straight, "--max_steps", 7, "--checkpoint_every_steps", 3, "--keep_checkpoints", 5, nproc=2)
+    stopped_at(straight, 3, split)  # mid-epoch 1: each rank skips its own 3 batches
     assert (split / "checkpoints" / "step-00000003" / "random_states_1.pkl").is_file()
+    res = train(tiny_mnist, split, "--max_steps", 7, "--resume", "latest", nproc=2)
+    assert "(epoch 1, step 3)" in res.output
+    assert_identical(weights(straight), weights(split))
 
 
+@pytest.mark.slow
 def test_compiled_ddp_model_resumes_exactly_and_saves_plain_weights(tiny_mnist, tmp_path):
     # torch.compile as users turn it on: dynamo_backend in the accelerate config; 2 processes, so
     # Accelerate compiles the DDP-wrapped model.
@@ -105,14 +119,15 @@ def test_compiled_ddp_model_resumes_exactly_and_saves_plain_weights(tiny_mnist, 
         return res
 
     straight, split = tmp_path / "straight", tmp_path / "split"
-    run(straight, "--max_steps", 7)
-    run(split, "--max_steps", 3)  # mid-epoch 1 (4 steps an epoch on 2 processes)
+    run(straight, "--max_steps", 7, "--checkpoint_every_steps", 3, "--keep_checkpoints", 5)
+    stopped_at(straight, 3, split)  # mid-epoch 1 (4 steps an epoch on 2 processes)
     assert "(epoch 1, step 3)" in run(split, "--max_steps", 7, "--resume", "latest").output
     assert_identical(weights(straight), weights(split))  # dropout included: its RNG state resumes too
     # model.safetensors has the plain model's keys, not torch.compile's `_orig_mod.` ones.
     assert "conv1.weight" in weights(straight) and not any(k.startswith("_orig_mod.") for k in weights(straight))
 
 
+@pytest.mark.slow
 def test_cuda_graphs_config_resumes_exactly_and_evaluates_every_sample(tiny_mnist, tmp_path):
     # The dynamo_config of the shipped accelerate_configs/1gpu_cudagraphs.yaml on 2 processes:
     # the CPU compiles without CUDA graphs, but the config must load and the step stay exact.
@@ -130,16 +145,17 @@ def test_cuda_graphs_config_resumes_exactly_and_evaluates_every_sample(tiny_mnis
         return res
 
     straight, split = tmp_path / "straight", tmp_path / "split"
-    run(straight)
-    run(split, "--max_steps", 2)  # mid-epoch 1: 3 steps of 48 an epoch per rank (even_batches)
+    run(straight, "--checkpoint_every_steps", 2, "--keep_checkpoints", 5)
+    stopped_at(straight, 2, split)  # mid-epoch 1: 3 steps of 48 an epoch per rank (even_batches)
     assert "(epoch 1, step 2)" in run(split, "--resume", "latest").output
     assert_identical(weights(straight), weights(split))
-    # 1001 test samples over 2 ranks x 256: the padding of the last batch is never counted.
-    # split: after the stop at step 2, and after epochs 1 and 2.
+    # 1001 test samples over 2 ranks x 256: the padding of the last batch is never counted,
+    # after epochs 1 and 2 of either run.
     assert [r["eval_samples"] for r in read_metrics(straight)] == [N_TEST] * 2
-    assert [r["eval_samples"] for r in read_metrics(split)] == [N_TEST] * 3
+    assert [r["eval_samples"] for r in read_metrics(split)] == [N_TEST] * 2
 
 
+@pytest.mark.slow
 def test_keep_last_checkpoints_and_ignore_unfinished_writes(tiny_mnist, tmp_path):
     train(tiny_mnist, tmp_path, "--max_steps", 6, "--checkpoint_every_steps", 2, "--keep_checkpoints", 2)
     ckpts = tmp_path / "checkpoints"
@@ -157,31 +173,38 @@ def test_keep_last_checkpoints_and_ignore_unfinished_writes(tiny_mnist, tmp_path
     assert not partial.exists()
 
 
-def test_bad_resume_input_is_one_line_and_deletes_nothing(tiny_mnist, tmp_path):
-    train(tiny_mnist, tmp_path, "--max_steps", 2)
-    ckpt = tmp_path / "checkpoints" / "step-00000002"
+def test_a_checkpoint_that_cannot_load_is_one_line_and_deletes_nothing(tiny_mnist, mnist_checkpoint, tmp_path):
+    run = shutil.copytree(mnist_checkpoint, tmp_path / "run")
+    ckpt = run / "checkpoints" / "step-00000002"
     model_file = ckpt / "model.safetensors"
     model_file.write_bytes(model_file.read_bytes()[:1000])  # truncated
-    cases = [
-        (["--resume", "latest"], f"cannot load checkpoint {ckpt}"),
-        (["--resume", tmp_path / "nope"], "resume checkpoint"),
-        ([], "holds checkpoints of an earlier run: add --resume latest"),
-        (["--output_dir", tmp_path / "empty", "--eval_only", "true", "--resume", "latest"],
-         f"eval_only found no checkpoint in {tmp_path / 'empty' / 'checkpoints'}"),
-    ]
-    (tmp_path / "empty").mkdir()
-    for args, message in cases:
-        res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON, *args], launcher="python")
-        lines = res.output.strip().splitlines()
-        assert res.returncode == 2 and lines[-1].startswith("error: ") and message in lines[-1], res
-        assert "Traceback" not in res.output
+    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", run, *COMMON, "--resume", "latest"],
+                 launcher="python")
+    lines = res.output.strip().splitlines()
+    assert res.returncode == 2 and lines[-1].startswith("error: "), res
+    assert f"cannot load checkpoint {ckpt}" in lines[-1] and "Traceback" not in res.output, res
     assert model_file.stat().st_size == 1000 and (ckpt / "optimizer.bin").is_file()
 
 
-def test_a_restart_never_takes_over_an_earlier_runs_checkpoints(tiny_mnist, tmp_path):
+def test_bad_resume_choices_say_what_to_do(mnist_checkpoint, tmp_path):
+    # The launches of these: test_errors.py ("resume path"), test_faults.py (a mistyped folder).
+    root = mnist_checkpoint / "checkpoints"
+    (tmp_path / "empty").mkdir()
+    for args, message in [
+        (dict(resume=str(tmp_path / "nope")), "resume checkpoint"),
+        (dict(resume=None), "holds checkpoints of an earlier run: add --resume latest"),
+        (dict(resume="latest", eval_only=True, root=tmp_path / "empty" / "checkpoints"),
+         f"eval_only found no checkpoint in {tmp_path / 'empty' / 'checkpoints'}"),
+    ]:
+        with pytest.raises(UserError, match=re.escape(message)):
+            choose_checkpoint(args.pop("resume"), args.pop("root", root), **args)
+
+
+@pytest.mark.slow
+def test_a_restart_never_takes_over_an_earlier_runs_checkpoints(tiny_mnist, mnist_checkpoint, tmp_path):
     # The first attempt stops on "holds checkpoints of an earlier run"; torchrun restarts it, and
     # the restarted workers must stop the same way, not resume the run they were refused.
-    train(tiny_mnist, tmp_path, "--max_steps", 2)
+    tmp_path = shutil.copytree(mnist_checkpoint, tmp_path / "run")
     before = {p.name for p in (tmp_path / "checkpoints").iterdir()}
     res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON], nproc=2,
                  launcher="torchrun", launcher_args=["--max-restarts", 1])
@@ -222,8 +245,9 @@ class _Exploit:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_loading_a_checkpoint_never_runs_code(tiny_mnist, tmp_path):
-    train(tiny_mnist, tmp_path, "--max_steps", 2)
+@pytest.mark.slow
+def test_loading_a_checkpoint_never_runs_code(tiny_mnist, mnist_checkpoint, tmp_path):
+    tmp_path = shutil.copytree(mnist_checkpoint, tmp_path / "run")
     marker = tmp_path / "pwned"
     exploit = _Exploit()
     exploit.marker = marker
@@ -234,12 +258,12 @@ def test_loading_a_checkpoint_never_runs_code(tiny_mnist, tmp_path):
     assert not marker.exists()
 
 
-def test_old_ddp_checkpoint_with_module_prefix_loads(tiny_mnist, tmp_path):
-    train(tiny_mnist, tmp_path / "run", "--max_steps", 3)
-    state = weights(tmp_path / "run")
+@pytest.mark.slow
+def test_old_ddp_checkpoint_with_module_prefix_loads(tiny_mnist, mnist_checkpoint, tmp_path):
+    state = weights(mnist_checkpoint)
     torch.save({"module." + k: v for k, v in state.items()}, tmp_path / "ddp_era.pt")
     accuracies = []
-    for w in (tmp_path / "run" / "model.safetensors", tmp_path / "ddp_era.pt"):
+    for w in (mnist_checkpoint / "model.safetensors", tmp_path / "ddp_era.pt"):
         out = tmp_path / f"eval_{w.stem}"
         assert_ok(launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, "--eval_only", "--weights", w]))
         accuracies.append(read_metrics(out)[0]["accuracy"])
@@ -259,6 +283,7 @@ def _start(cmd, out):
                             text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+@pytest.mark.slow
 def test_ctrl_c_writes_a_checkpoint_on_every_rank_and_resume_finishes(tiny_mnist, tmp_path):
     cmd = [BIN / "accelerate", "launch", "--config_file", "accelerate_configs/2gpu.yaml", "--main_process_port",
            free_port(), RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--epochs", 200,
@@ -281,6 +306,7 @@ def test_ctrl_c_writes_a_checkpoint_on_every_rank_and_resume_finishes(tiny_mnist
     assert f"step {step})" in res.output
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(tiny_mnist, tmp_path):
     epochs = 12
     cmd = [BIN / "torchrun", "--nproc_per_node", 2, "--max-restarts", 1, "--master_port", free_port(), RECIPE,

@@ -171,6 +171,7 @@ def test_deterministic_mode_keeps_a_workspace_setting_of_the_user(restore_determ
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_bucket_loader_on_real_processes(nproc, tmp_path):
     """Train two epochs, replay, resume mid-epoch, and evaluate exactly, through bucket_loader."""

@@ -1,8 +1,11 @@
 """Experiment trackers: TensorBoard scalars written by a real 2-process run, read back."""
 
+import pytest
+
 from conftest import assert_ok, launch, read_metrics
 
 
+@pytest.mark.slow
 def test_tensorboard_logs_training_and_eval_scalars(tiny_mnist, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -21,6 +24,7 @@ def test_tensorboard_logs_training_and_eval_scalars(tiny_mnist, tmp_path):
         [(r["step"], round(r["accuracy"], 6)) for r in rows]
 
 
+@pytest.mark.slow
 def test_a_missing_tracker_package_is_one_line(tiny_mnist, tmp_path):
     res = launch(["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", tmp_path, "--log_with", "wandb"],
                  launcher="python")
