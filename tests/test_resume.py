@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from common.checkpoint import _WROTE, choose_checkpoint
 from common.config import UserError
-from conftest import BIN, REPO, N_TEST, assert_ok, compile_config, free_port, launch, read_metrics, stopped_at
+from conftest import BIN, REPO, N_TEST, assert_ok, free_port, launch, read_metrics, stopped_at
 
 RECIPE = "recipes/mnist.py"
 # 256 train samples, batch 32: 8 optimizer steps per epoch on 1 process, 4 on 2.
@@ -107,30 +107,12 @@ def test_two_process_resume_is_exact_too(tiny_mnist, tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_ddp_model_resumes_exactly_and_saves_plain_weights(tiny_mnist, tmp_path):
-    # torch.compile as users turn it on: dynamo_backend in the accelerate config; 2 processes, so
-    # Accelerate compiles the DDP-wrapped model.
-    config = compile_config(tmp_path)
-
-    def run(out, *args):
-        res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, *COMMON, *args], nproc=2, config=config)
-        assert_ok(res)
-        assert "torch.compile backend inductor" in res.output
-        return res
-
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    run(straight, "--max_steps", 7, "--checkpoint_every_steps", 3, "--keep_checkpoints", 5)
-    stopped_at(straight, 3, split)  # mid-epoch 1 (4 steps an epoch on 2 processes)
-    assert "(epoch 1, step 3)" in run(split, "--max_steps", 7, "--resume", "latest").output
-    assert_identical(weights(straight), weights(split))  # dropout included: its RNG state resumes too
-    # model.safetensors has the plain model's keys, not torch.compile's `_orig_mod.` ones.
-    assert "conv1.weight" in weights(straight) and not any(k.startswith("_orig_mod.") for k in weights(straight))
-
-
-@pytest.mark.slow
-def test_cuda_graphs_config_resumes_exactly_and_evaluates_every_sample(tiny_mnist, tmp_path):
-    # The dynamo_config of the shipped accelerate_configs/1gpu_cudagraphs.yaml on 2 processes:
-    # the CPU compiles without CUDA graphs, but the config must load and the step stay exact.
+def test_a_compiled_ddp_model_resumes_exactly_evaluates_every_sample_and_saves_plain_weights(tiny_mnist, tmp_path):
+    # torch.compile as users turn it on: the dynamo_config of the shipped
+    # accelerate_configs/1gpu_cudagraphs.yaml, on 2 processes, so Accelerate compiles the
+    # DDP-wrapped model. The CPU compiles without CUDA graphs (mode reduce-overhead then builds
+    # what the default mode builds), but the config must load and the step stay exact. The
+    # default mode's lines (compile_config) are launched by test_unet.py's compile probe.
     shipped = yaml.safe_load((REPO / "accelerate_configs" / "1gpu_cudagraphs.yaml").read_text())
     config = tmp_path / "cudagraphs-2proc.yaml"
     two = yaml.safe_load((REPO / "accelerate_configs" / "2gpu.yaml").read_text())
@@ -148,11 +130,13 @@ def test_cuda_graphs_config_resumes_exactly_and_evaluates_every_sample(tiny_mnis
     run(straight, "--checkpoint_every_steps", 2, "--keep_checkpoints", 5)
     stopped_at(straight, 2, split)  # mid-epoch 1: 3 steps of 48 an epoch per rank (even_batches)
     assert "(epoch 1, step 2)" in run(split, "--resume", "latest").output
-    assert_identical(weights(straight), weights(split))
+    assert_identical(weights(straight), weights(split))  # dropout included: its RNG state resumes too
     # 1001 test samples over 2 ranks x 256: the padding of the last batch is never counted,
     # after epochs 1 and 2 of either run.
     assert [r["eval_samples"] for r in read_metrics(straight)] == [N_TEST] * 2
     assert [r["eval_samples"] for r in read_metrics(split)] == [N_TEST] * 2
+    # model.safetensors has the plain model's keys, not torch.compile's `_orig_mod.` ones.
+    assert "conv1.weight" in weights(straight) and not any(k.startswith("_orig_mod.") for k in weights(straight))
 
 
 @pytest.mark.slow
