@@ -42,6 +42,7 @@ IGNORE = -1  # the class of padded pixels: no loss, no Dice
 PAD_MULTIPLE = 16  # bucketed batches are padded to a multiple of 16: the U-Net halves 4 times
 SHAPES = "data/shapes"  # the U-Net's default data, made by `make data/shapes`
 RANDOMS = 8  # uniform random numbers per training sample that an augmentation gets (rand[n])
+MODES = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}  # input channels -> the PIL mode images are read in
 CACHE_BUDGET_GB = 4  # cache_images auto: decode once if images and masks take at most this per process
 
 
@@ -57,6 +58,7 @@ class SegmentationConfig(RunConfig):
     val_split: str = "validation"  # datasets data
     mask_values: str = ""  # mask values in class order, e.g. "0,255"; empty: the sorted values found
     num_classes: int = 0  # with background; 0: one per mask value; 1: a sigmoid, for 2 values
+    in_channels: int = 0  # of the model's input: 1 grey, 3 RGB, 4 RGBA; 0: the images' own
     # Images of different sizes: train and evaluate each at its own size, in similar-size batches.
     bucket_by_size: bool = False  # batches padded to their largest image; loss and Dice skip padding
     max_batch_pixels: int = 0  # bucket_by_size: padded pixels per batch; 0: batch_size x largest
@@ -73,6 +75,8 @@ class SegmentationConfig(RunConfig):
     def validate(self):
         super().validate()
         require_at_least(self, 0, "num_classes", "max_batch_pixels")
+        require(self.in_channels in (0, *MODES), f"in_channels must be 0 (from the images), 1, 2, 3 or 4, "
+                                                 f"got {self.in_channels}")
         require(self.cache_images in ("auto", "true", "false"),
                 f"cache_images must be auto, true or false, got {self.cache_images!r}")
         require(0 < self.val_fraction < 1, f"val_fraction must be between 0 and 1, got {self.val_fraction}")
@@ -195,32 +199,51 @@ def read_pair(image, mask, name):
 
 
 def scan_masks(accelerator, sources):
-    """{mask value: [number of masks holding it, one of them]}, and per source the (height, width)
-    of each image, in order.
+    """{mask value: [number of masks holding it, one of them]}, per source the (height, width)
+    of each image, in order, and {image mode: an image of that mode}.
 
     Each process reads its share of the pairs and the results are gathered, so a bad file stops
     every rank with the same one-line error (never one rank raising while the others wait).
     """
-    found, sizes, problems = {}, {}, []
+    found, sizes, modes, problems = {}, {}, {}, []
     items = [(s, i) for s, source in enumerate(sources) for i in range(len(source))]
     for s, i in items[accelerator.process_index :: accelerator.num_processes]:
         try:
-            image, mask, name = sources[s][i]
-            _, values = read_pair(image, mask, name)
+            path, mask, name = sources[s][i]
+            image, values = read_pair(path, mask, name)
         except (DataError, OSError, Image.DecompressionBombError) as e:  # OSError: a file PIL cannot read
             problems.append(str(e))
             continue
         sizes[s, i] = values.shape
+        modes.setdefault(image.mode, str(path) if isinstance(path, Path) else name)
         for v in np.unique(values).tolist():
             found.setdefault(v, [0, name])[0] += 1
-    merged, all_sizes = {}, {}
-    for rank_found, rank_sizes, rank_problems in gather_object([(found, sizes, problems)]):
+    merged, all_sizes, all_modes = {}, {}, {}
+    for rank_found, rank_sizes, rank_modes, rank_problems in gather_object([(found, sizes, modes, problems)]):
         if rank_problems:
             raise DataError(rank_problems[0])
         all_sizes.update(rank_sizes)
+        all_modes = {**rank_modes, **all_modes}
         for v, (count, name) in rank_found.items():
             merged.setdefault(v, [0, name])[0] += count
-    return merged, [[all_sizes[s, i] for i in range(len(source))] for s, source in enumerate(sources)]
+    sizes = [[all_sizes[s, i] for i in range(len(source))] for s, source in enumerate(sources)]
+    return merged, sizes, all_modes
+
+
+def channels_of_data(cfg, modes, input_channels):
+    """The model's input channels: cfg.in_channels (the setting or the weights'), else what
+    input_channels(mode) says of the images' modes, which must agree."""
+    if cfg.in_channels:
+        return cfg.in_channels
+    seen = {}
+    for mode, name in sorted(modes.items()):
+        seen.setdefault(input_channels(mode), (mode, name))
+    if len(seen) > 1:
+        (few, (mode1, name1)), (many, (mode2, name2)) = sorted(seen.items())[:2]
+        raise DataError(f"images have different channels: {name1} is {mode1} ({few}), {name2} is {mode2} "
+                        f"({many}): convert them to one mode, or set --in_channels {many} to read all as "
+                        f"{MODES[many]}")
+    return next(iter(seen))
 
 
 def classes_and_size(cfg, found, sizes, weights):
@@ -270,7 +293,7 @@ def classes_and_size(cfg, found, sizes, weights):
 
 
 class SegmentationSet(Dataset):
-    """Whole batches, read a batch at a time (`__getitems__`): uint8 images [N, 3, H, W] and int64
+    """Whole batches, read a batch at a time (`__getitems__`): uint8 images [N, C, H, W] and int64
     class indices [N, H, W], then `augment(images, masks, rand)` if given (training).
 
     The images come decoded from `cache` (decode_all, on any device: a batch is gathered there
@@ -284,8 +307,8 @@ class SegmentationSet(Dataset):
     once, not every epoch) see the new value too.
     """
 
-    def __init__(self, source, values, size, seed, augment=None, cache=None, pad=False):
-        self.source, self.values, self.size, self.seed = source, values, size, seed
+    def __init__(self, source, values, mode, size, seed, augment=None, cache=None, pad=False):
+        self.source, self.values, self.mode, self.size, self.seed = source, values, mode, size, seed
         self.augment, self.cache, self.pad = augment, cache, pad
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
@@ -306,7 +329,7 @@ class SegmentationSet(Dataset):
 
     def __getitems__(self, indices):
         if self.cache is None:
-            pairs = [decode_pair(self.source, i, self.values, self.size) for i in indices]
+            pairs = [decode_pair(self.source, i, self.values, self.mode, self.size) for i in indices]
         elif self.pad:  # a list of images of their own sizes
             pairs = [(self.cache[0][i], self.cache[1][i]) for i in indices]
         else:  # one gather per tensor, where the cache is
@@ -351,8 +374,8 @@ def crop_and_flip(images, masks, rand, crop=0, hflip=0.0, vflip=0.0):
     return torch.stack([image for image, _ in out]), torch.stack([mask for _, mask in out])
 
 
-def decode_pair(source, i, values, size=None):
-    """Sample i of `source` as uint8 tensors: the RGB image [3, H, W] and its class indices
+def decode_pair(source, i, values, mode, size=None):
+    """Sample i of `source` as uint8 tensors: the image in PIL `mode` [C, H, W] and its class indices
     [H, W] (int64 for more than 256 classes), resized to `size` (height, width) if given: the
     image antialiased, the mask by nearest neighbour. A DataError names a file that fails."""
     # Imported here, not at the top: torchvision loads torch's compiler, over 1 s that --help and
@@ -362,7 +385,7 @@ def decode_pair(source, i, values, size=None):
     path, mask, name = source[i]  # a table row is decoded here, once
     image, mask_values = read_pair(path, mask, name)
     try:
-        image = image.convert("RGB")  # decodes an image file: scan_masks read only its header
+        image = image.convert(mode)  # decodes an image file: scan_masks read only its header
     except IMAGE_ERRORS as e:  # such as a truncated file
         raise unreadable_image(path if isinstance(path, Path) else name, e) from None
     lut = np.zeros(max(max(values), int(mask_values.max())) + 1, np.uint8 if len(values) <= 256 else np.int64)
@@ -374,7 +397,7 @@ def decode_pair(source, i, values, size=None):
     return image, classes
 
 
-def decode_all(source, values, size, threads):
+def decode_all(source, values, mode, size, threads):
     """Every sample of `source`, decoded once by decode_pair() on `threads` threads: (images,
     masks), two stacked tensors when `size` is given, else two lists. The first bad file in the
     source's order stops it, so every process that decodes the same source says the same."""
@@ -382,11 +405,11 @@ def decode_all(source, values, size, threads):
     if size is None:
         images, masks = [None] * n, [None] * n
     else:
-        images = torch.empty(n, 3, *size, dtype=torch.uint8)
+        images = torch.empty(n, len(mode), *size, dtype=torch.uint8)
         masks = torch.empty(n, *size, dtype=torch.uint8 if len(values) <= 256 else torch.int64)
 
     def put(i):
-        images[i], masks[i] = decode_pair(source, i, values, size)
+        images[i], masks[i] = decode_pair(source, i, values, mode, size)
 
     with ThreadPoolExecutor(threads) as pool:  # PIL and resize let go of the GIL while they work
         for _ in pool.map(put, range(n)):  # raises the first failure in order
@@ -418,6 +441,7 @@ class SegmentationData:
     values: list  # class i is mask value values[i]
     num_classes: int  # the setting, or the number of mask values
     input_size: Optional[tuple]  # (height, width) of every model input; None: each image its own
+    in_channels: int  # the setting, or the images' (input_channels of their mode)
     max_batch_pixels: int  # bucket_by_size: the padded pixels of a training batch; else 0
     batch: object  # for common.runtime.describe(): the batch size, or what a bucketed batch holds
     shapes: str  # the images' size, for the start-up line
@@ -442,24 +466,27 @@ def worker_count(num_workers, processes):
     return num_workers if num_workers >= 0 else min(8, max(1, cpus_per_process(processes) - 1))
 
 
-def load_data(cfg, accelerator, augment=None, weights=None):
+def load_data(cfg, accelerator, input_channels, augment=None, weights=None):
     """Open the data, check every mask on all processes, and build the training and validation
     loaders: plain ones for accelerator.prepare() to shard, or with bucket_by_size, bucketed
     ones that are sharded and on the device already (do not prepare them).
 
-    augment(images, masks, rand): the training batches' augmentation (see SegmentationSet).
+    input_channels(mode): the model's input channels for images of a PIL mode; every image is
+    read in MODES[channels]. augment(images, masks, rand): the training batches' augmentation
+    (see SegmentationSet).
     cache_images: every process decodes all the images once, into its own memory, on the
     accelerator's device (a GPU's memory cannot be shared with the other processes' GPUs), and
     gathers its batches there, with no workers; otherwise DataLoader workers decode every read.
     weights: the SegmentationWeights of --weights, whose mask values are the classes."""
     train_source, val_source = open_sources(cfg)
     require_one_batch_per_process(len(train_source), cfg.batch_size, accelerator, "the training data")
-    found, sizes = scan_masks(accelerator, [train_source, val_source])
+    found, sizes, modes = scan_masks(accelerator, [train_source, val_source])
     values, num_classes, input_size = classes_and_size(cfg, found, sizes, weights)
+    channels = channels_of_data(cfg, modes, input_channels)
     pixels = sum(h * w for source_sizes in sizes for h, w in source_sizes)
     if input_size is not None:
         pixels = sum(map(len, sizes)) * input_size[0] * input_size[1]
-    size_gb = 4 * pixels / 2**30  # uint8 RGB and one byte of class per pixel
+    size_gb = (channels + 1) * pixels / 2**30  # uint8 channels and one byte of class per pixel
     cached = cfg.cache_images == "true" or (cfg.cache_images == "auto" and size_gb <= CACHE_BUDGET_GB)
     device, workers = accelerator.device, 0 if cached else worker_count(cfg.num_workers, accelerator.num_processes)
     if cached:
@@ -471,10 +498,12 @@ def load_data(cfg, accelerator, augment=None, weights=None):
     def dataset(source, augment):
         cache = None
         if cached:
-            images, masks = decode_all(source, values, input_size, cpus_per_process(accelerator.num_processes))
+            threads = cpus_per_process(accelerator.num_processes)
+            images, masks = decode_all(source, values, MODES[channels], input_size, threads)
             move = (lambda t: t.to(device)) if input_size else (lambda ts: [t.to(device) for t in ts])
             cache = move(images), move(masks)
-        return SegmentationSet(source, values, input_size, cfg.seed, augment, cache, pad=cfg.bucket_by_size)
+        return SegmentationSet(source, values, MODES[channels], input_size, cfg.seed, augment, cache,
+                               pad=cfg.bucket_by_size)
 
     train_set, val_set = dataset(train_source, augment), dataset(val_source, None)
     pin = device.type == "cuda" and not cached  # with non_blocking: the copy to the GPU does not wait
@@ -490,7 +519,7 @@ def load_data(cfg, accelerator, augment=None, weights=None):
 
         train = loader(train_set, cfg.batch_size, True)
         val = loader(val_set, cfg.eval_batch_size, False)
-        return SegmentationData(train, val, values, num_classes, input_size, 0, cfg.batch_size,
+        return SegmentationData(train, val, values, num_classes, input_size, channels, 0, cfg.batch_size,
                                 f"{input_size[1]}x{input_size[0]}", reading)
     # A budget of padded pixels per batch; validation gets eval_batch_size / batch_size times more.
     train_sizes, val_sizes = ([(padded(h), padded(w)) for h, w in source_sizes] for source_sizes in sizes)
@@ -500,41 +529,13 @@ def load_data(cfg, accelerator, augment=None, weights=None):
     val = bucket_loader(val_set, val_sizes, max(budget * cfg.eval_batch_size // cfg.batch_size, 1), accelerator,
                         train=False, collate_fn=tuple, num_workers=workers, pin_memory=pin)
     batch = f"batches of at most {budget} padded pixels per process"
-    return SegmentationData(train, val, values, num_classes, None, budget, batch, "their own sizes", reading)
-
-
-def loss_per_image(logits, target, num_classes):
-    """Cross-entropy (BCE for 1 class) + soft Dice loss over all classes, one value per image, in
-    fp32. Pixels of class IGNORE (batch padding) count in neither."""
-    logits = logits.float()
-    valid = (target != IGNORE).float()
-    pixels = valid.sum((1, 2)).clamp(min=1)
-    target = target.clamp(min=0)
-    if num_classes == 1:
-        logits, target = logits[:, 0], target.float()
-        ce = (F.binary_cross_entropy_with_logits(logits, target, reduction="none") * valid).sum((1, 2)) / pixels
-        probs, onehot = logits.sigmoid()[:, None], target[:, None]
-    else:
-        ce = (F.cross_entropy(logits, target, reduction="none") * valid).sum((1, 2)) / pixels
-        probs, onehot = logits.softmax(1), F.one_hot(target, num_classes).permute(0, 3, 1, 2).float()
-    probs, onehot = probs * valid[:, None], onehot * valid[:, None]
-    inter, total = (probs * onehot).sum((2, 3)), (probs + onehot).sum((2, 3))
-    dice = (2 * inter + 1) / (total + 1)  # +1: a class absent from both scores 1
-    return ce + 1 - dice.mean(1)
+    return SegmentationData(train, val, values, num_classes, None, channels, budget, batch, "their own sizes",
+                            reading)
 
 
 def predicted_classes(logits, num_classes):
     """Hard predictions [N, H, W]: argmax, or logit > 0 (sigmoid > 0.5) for one class."""
     return (logits[:, 0] > 0).long() if num_classes == 1 else logits.argmax(1)
-
-
-def dice_counts(logits, target, num_classes):
-    """Per image and foreground class: |pred & true| and |pred| + |true|, from hard predictions;
-    padded pixels (IGNORE) are in neither."""
-    pred = torch.where(target == IGNORE, 0, predicted_classes(logits, num_classes))
-    classes = torch.arange(1, value_count(num_classes), device=pred.device)[:, None, None]
-    pred, true = pred[:, None] == classes, target[:, None] == classes  # [N, foreground classes, H, W]
-    return (pred & true).sum((2, 3)), pred.sum((2, 3)) + true.sum((2, 3))
 
 
 # Class 0 (and padding) black, then a colour per class, repeating after six.
@@ -549,10 +550,12 @@ def paint(classes):
 
 
 def image_panel(x, logits, target, num_classes, count=4):
-    """image | prediction | truth of the first `count` images, side by side: floats [N, 3, H, 3W]."""
+    """image | prediction | truth of the first `count` images, side by side: floats [N, 3, H, 3W].
+    x: uint8 images of any channels, shown as RGB (grey for 1 or 2, without alpha for 4)."""
     pred = predicted_classes(logits[:count], num_classes)
     painted = [paint(c).permute(0, 3, 1, 2) for c in (pred, target[:count])]
-    return torch.cat([x[:count], *painted], dim=3).float() / 255
+    rgb = x[:count, :3] if x.shape[1] >= 3 else x[:count, [0, 0, 0]]
+    return torch.cat([rgb, *painted], dim=3).float() / 255
 
 
 @dataclass
@@ -568,6 +571,11 @@ class SegmentationWeights:
     flips: str = "h"
 
     KEY = "segmentation"
+
+    @property
+    def in_channels(self):
+        """The model's input channels: files written before they were stored took RGB."""
+        return self.model.get("in_channels", 3)
 
     def metadata(self, **more):
         """The safetensors metadata for save_weights(), with `more` entries beside it."""
@@ -591,7 +599,7 @@ class SegmentationWeights:
             return cls(**json.loads(meta[cls.KEY]))
         if "mask_values" in meta:  # written before the settings were one entry: strings, one per key
             size = meta["input_size"]
-            model = {"num_classes": int(meta["num_classes"]), "base_channels": int(meta["base_channels"]),
+            model = {"in_channels": 3, "num_classes": int(meta["num_classes"]), "base_channels": int(meta["base_channels"]),
                      "bilinear": meta["bilinear"] == "True"}
             return cls(model, parse_values(meta["mask_values"], "mask_values"),
                        None if size == "native" else [int(n) for n in size.split(",")])
@@ -599,14 +607,15 @@ class SegmentationWeights:
 
 
 def fit_to_weights(cfg, weights, names):
-    """cfg with the model settings `names` that `weights` was trained with: num_classes 0 (from
-    the masks) takes the stored value; a setting that differs stops with a line naming it."""
+    """cfg with the model settings `names` that `weights` was trained with: num_classes and
+    in_channels 0 (from the data) take the stored value; a setting that differs stops with a line naming it."""
     if weights is None:
         return cfg
+    settings = {"in_channels": weights.in_channels, **weights.model}
     for name in names:
-        stored, given = weights.model.get(name), getattr(cfg, name)
-        if name == "num_classes" and given == 0:
-            cfg = dataclasses.replace(cfg, num_classes=stored)
+        stored, given = settings.get(name), getattr(cfg, name)
+        if name in ("num_classes", "in_channels") and given == 0:
+            cfg = dataclasses.replace(cfg, **{name: stored})
         elif stored is not None and stored != given:
             raise UserError(f"{cfg.weights} was trained with {name} {stored}, not {given}: add --{name} {stored}")
     return cfg
@@ -690,22 +699,24 @@ def load_model(cfg, build_model, device="cpu"):
 
 
 def sample_images(cfg, weights, count=4):
-    """Up to `count` validation images as the model takes them (float [N, 3, H, W] in 0..1), at
+    """Up to `count` validation images as the data gives them (uint8 [N, C, H, W]), at
     the size it was trained on (input_size, or the first image's own size padded), and the first
     one again at another size (16 and 32 pixels more): real inputs to check an export on."""
     from torchvision.transforms.v2.functional import resize  # see decode_pair
 
     _, val_source = open_sources(cfg)
-    images = [decode_pair(val_source, i, weights.mask_values)[0] for i in range(min(count, len(val_source)))]
+    mode = MODES[weights.in_channels]
+    images = [decode_pair(val_source, i, weights.mask_values, mode)[0] for i in range(min(count, len(val_source)))]
     h, w = weights.input_size or (padded(images[0].shape[1]), padded(images[0].shape[2]))
-    return [torch.stack([resize(im, [h, w], antialias=True) for im in images]).float() / 255,
-            resize(images[0], [h + 16, w + 32], antialias=True)[None].float() / 255]
+    return [torch.stack([resize(im, [h, w], antialias=True) for im in images]),
+            resize(images[0], [h + 16, w + 32], antialias=True)[None]]
 
 
-def predict(cfg, accelerator, build_model):
+def predict(cfg, accelerator, build_model, prepare_input):
     """A mask PNG per image of the --predict glob, at the image's size, in the training masks'
     values; --overlay also paints the classes on the image. Each process does a share.
-    build_model(settings) rebuilds the model from the settings stored in the weights file."""
+    build_model(settings) rebuilds the model from the settings stored in the weights file;
+    prepare_input(x) makes the model's input of uint8 images [N, C, H, W] in its channels."""
     from torchvision.transforms.v2.functional import pil_to_tensor, resize  # see decode_pair
 
     model, weights = load_model(cfg, build_model, accelerator.device)
@@ -730,13 +741,13 @@ def predict(cfg, accelerator, build_model):
     with accelerator.split_between_processes(files) as mine:
         for start in range(0, len(mine), batch_size):
             paths = mine[start : start + batch_size]
-            images = [Image.open(p).convert("RGB") for p in paths]
+            images = [Image.open(p).convert(MODES[weights.in_channels]) for p in paths]
             if native:
                 x = pad_to(pil_to_tensor(images[0]), padded(images[0].height), padded(images[0].width), 0)[None]
             else:
                 x = torch.stack([resize(pil_to_tensor(im), weights.input_size, antialias=True) for im in images])
             with torch.inference_mode(), accelerator.autocast():
-                logits = segment(model, x.to(accelerator.device).float() / 255, cfg, weights.flips)
+                logits = segment(model, prepare_input(x.to(accelerator.device)), cfg, weights.flips)
             for path, image, lg in zip(paths, images, logits):
                 if native:
                     lg = lg[:, : image.height, : image.width].float()
@@ -745,7 +756,7 @@ def predict(cfg, accelerator, build_model):
                 classes = predicted_classes(lg[None], num_classes)[0].cpu()
                 Image.fromarray(lut[classes.numpy()]).save(out / f"{Path(path).stem}_mask.png")
                 if cfg.overlay:
-                    rgb = torch.from_numpy(np.asarray(image, np.float32))
+                    rgb = torch.from_numpy(np.asarray(image.convert("RGB"), np.float32))
                     rgb = torch.where(classes[..., None] > 0, 0.5 * rgb + 0.5 * paint(classes), rgb)
                     Image.fromarray(rgb.numpy().astype(np.uint8)).save(out / f"{Path(path).stem}_overlay.png")
     accelerator.wait_for_everyone()

@@ -6,7 +6,7 @@
 
 The accelerate config picks CPU, GPUs and fp16/bf16. Settings: the Config fields below and those
 it inherits, by `--config run.yaml` and `--field value`. Copy this file to start your own
-recipe; `# ADAPT:` marks what to change. Data, loss, Dice and predict: common/segmentation.py.
+recipe; `# ADAPT:` marks what to change. Data and predict: common/segmentation.py.
 """
 
 import math
@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import torch
+import torch.nn.functional as F
 from accelerate.utils import broadcast, set_seed
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 from tqdm.auto import tqdm
@@ -32,9 +33,9 @@ from common.runtime import build_accelerator, close, describe, open_run, run, st
 from common.runtime import sync_batchnorm, tracker
 from common.schedule import fit_cosine
 from common.segmentation import (
-    SegmentationConfig, SegmentationWeights, crop_and_flip, dice_counts, fit_to_weights,
-    image_panel, load_data, load_model, loss_per_image, predict, require_same_classes,
-    sample_images, segment,
+    IGNORE, MODES, SegmentationConfig, SegmentationWeights, crop_and_flip, fit_to_weights,
+    image_panel, load_data, load_model, predict, predicted_classes, require_same_classes,
+    sample_images, segment, value_count,
 )
 from unet_model import UNet  # ADAPT: your model
 
@@ -90,23 +91,58 @@ class Config(SegmentationConfig):  # + the data, class and predict settings it i
 
 
 # ADAPT: your model: the Config fields that build it, stored in the weights file for predict.
-MODEL_SETTINGS = ("num_classes", "base_channels", "bilinear")
+MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels", "bilinear")
 
 
 def build_model(settings):
     return UNet(**settings)
 
 
-# ADAPT: your augmentation of a training batch, where it is (the GPU, if the images are cached
-# there): uint8 images [N, 3, H, W] and class masks [N, H, W], changed alike. rand [N, 8]: each
-# sample's own uniform numbers, seeded by (seed, epoch, sample), so that a resume is exact.
-def augment(images, masks, rand, cfg):
-    return crop_and_flip(images, masks, rand, cfg.crop_size, cfg.hflip, cfg.vflip)
+# ADAPT: your input. The model takes the images' own channels (grey 1, RGB 3, RGBA 4), which
+# input_channels reads from their PIL mode; each image is then read in MODES[channels] and
+# prepare_input makes floats of a uint8 batch [N, C, H, W], for training, predict and export.
+def input_channels(mode):
+    return 1 if mode in ("1", "L", "I", "I;16", "F") else 4 if mode in ("RGBA", "LA", "PA") else 3
 
 
 def prepare_input(x, cfg):
     x = x.float() / 255
     return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last == "true" else x
+
+
+# ADAPT: your augmentation of a training batch, where it is (the GPU, if the images are cached
+# there): uint8 images [N, C, H, W] and class masks [N, H, W], changed alike. rand [N, 8]: each
+# sample's own uniform numbers, seeded by (seed, epoch, sample), so that a resume is exact.
+def augment(images, masks, rand, cfg):
+    return crop_and_flip(images, masks, rand, cfg.crop_size, cfg.hflip, cfg.vflip)
+
+
+# ADAPT: your loss. Padded pixels (IGNORE, bucket_by_size) must count for nothing.
+def loss_per_image(logits, target, num_classes):
+    """Cross-entropy (BCE for 1 class) + soft Dice loss over all classes, one value per image,
+    in fp32."""
+    logits, valid = logits.float(), (target != IGNORE).float()
+    pixels, target = valid.sum((1, 2)).clamp(min=1), target.clamp(min=0)
+    if num_classes == 1:
+        logits, target = logits[:, 0], target.float()
+        ce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+        probs, onehot = logits.sigmoid()[:, None], target[:, None]
+    else:
+        ce = F.cross_entropy(logits, target, reduction="none")
+        probs, onehot = logits.softmax(1), F.one_hot(target, num_classes).permute(0, 3, 1, 2)
+    probs, onehot = probs * valid[:, None], onehot * valid[:, None]
+    inter, total = (probs * onehot).sum((2, 3)), (probs + onehot).sum((2, 3))
+    dice = (2 * inter + 1) / (total + 1)  # +1: a class absent from both scores 1
+    return (ce * valid).sum((1, 2)) / pixels + 1 - dice.mean(1)
+
+
+# ADAPT: your metric. Per image and foreground class: |pred & true| and |pred| + |true|, of hard
+# predictions; padded pixels (IGNORE) are in neither. evaluate() makes the mean Dice of them.
+def dice_counts(logits, target, num_classes):
+    pred = torch.where(target == IGNORE, 0, predicted_classes(logits, num_classes))
+    classes = torch.arange(1, value_count(num_classes), device=pred.device)[:, None, None]
+    pred, true = pred[:, None] == classes, target[:, None] == classes  # [N, classes, H, W]
+    return (pred & true).sum((2, 3)), pred.sum((2, 3)) + true.sum((2, 3))
 
 
 def make_optimizer(model, lr, cfg, accelerator):
@@ -211,12 +247,13 @@ def main(cfg):
     # No cudnn.benchmark with bucket_by_size: it would time every new (batch, height, width).
     set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)
     if cfg.predict:  # a mode of its own: masks for new images (common/segmentation.py)
-        predict(cfg, accelerator, build_model)
+        predict(cfg, accelerator, build_model, partial(prepare_input, cfg=cfg))
         close(accelerator)
         return
     if cfg.export:  # a mode of its own: an .onnx file beside the weights (common/export.py)
         model, weights = load_model(cfg, build_model)
-        export_onnx(accelerator, model, sample_images(cfg, weights), cfg.weights, {"recipe": NAME},
+        inputs = [prepare_input(x, cfg) for x in sample_images(cfg, weights)]
+        export_onnx(accelerator, model, inputs, cfg.weights, {"recipe": NAME},
                     {0: "batch", 2: "height", 3: "width"})  # any batch and image size
         close(accelerator)
         return
@@ -227,8 +264,9 @@ def main(cfg):
     cfg = fit_to_weights(cfg, weights, MODEL_SETTINGS)
     trained_flips = "h" * (cfg.hflip > 0) + "v" * (cfg.vflip > 0)  # what predict_flip may flip
     flips = weights.flips if weights and cfg.eval_only else trained_flips
-    data = load_data(cfg, accelerator, partial(augment, cfg=cfg), weights)
-    cfg = replace(cfg, num_classes=data.num_classes, max_batch_pixels=data.max_batch_pixels)
+    data = load_data(cfg, accelerator, input_channels, partial(augment, cfg=cfg), weights)
+    cfg = replace(cfg, num_classes=data.num_classes, in_channels=data.in_channels,
+                  max_batch_pixels=data.max_batch_pixels)
     train_loader, val_loader = data.train_loader, data.val_loader
     metrics = start_logging(accelerator, cfg, NAME)
 
@@ -257,8 +295,9 @@ def main(cfg):
         scheduler = ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5)
     fused = "fused " if optimizer.defaults["fused"] else ""
     adamw = f"{fused}AdamW lr {optimizer.defaults['lr']:g}"
-    accelerator.print(f"{NAME}: {describe(accelerator, data.batch)}; {adamw}; {norm}; {channels}; "
-                      f"{data}; outputs to {out}/")
+    images = f"{MODES[cfg.in_channels]} images"  # as the model reads them: its input channels
+    accelerator.print(f"{NAME}: {describe(accelerator, data.batch)}; {images}; {adamw}; {norm}; "
+                      f"{channels}; {data}; outputs to {out}/")
 
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
     # `best` and early stopping follow the average's Dice when there is one.

@@ -94,7 +94,7 @@ from common.config import UserError, parse_config  # noqa: E402
 from common.determinism import set_deterministic  # noqa: E402
 from common.metrics import peak_memory_mb  # noqa: E402
 from common.progress import Progress  # noqa: E402
-from common.segmentation import load_data, loss_per_image, open_sources, worker_count  # noqa: E402
+from common.segmentation import load_data, open_sources, worker_count  # noqa: E402
 from common.runtime import build_accelerator, close  # noqa: E402
 from recipe_module import load_recipe  # noqa: E402  (tests/recipe_module.py)
 
@@ -324,8 +324,8 @@ def bench_unet(args, accelerator):
         raise SystemExit(f"error: the U-Net bench needs a folder with imgs/ and masks/ (the classic loop opens "
                          f"the files), not {cfg.dataset}")
     # The recipe's own data path, as its main() builds it on one process.
-    data = load_data(cfg, accelerator, functools.partial(unet.augment, cfg=cfg))
-    cfg = dataclasses.replace(cfg, num_classes=data.num_classes)
+    data = load_data(cfg, accelerator, unet.input_channels, functools.partial(unet.augment, cfg=cfg))
+    cfg = dataclasses.replace(cfg, num_classes=data.num_classes, in_channels=data.in_channels)
     train_loader, values = data.train_loader, data.values
     train_source, _ = open_sources(cfg)  # the image and mask files, for the classic loop
     workers = worker_count(cfg.num_workers, 1)  # the recipe's when it does not cache
@@ -346,7 +346,7 @@ def bench_unet(args, accelerator):
 
     def step(model, optimizer, x, y):
         """The recipe's training step with nothing around it: loss, backward, clipping, AdamW."""
-        loss = loss_per_image(model(x), y, cfg.num_classes).mean()
+        loss = unet.loss_per_image(model(x), y, cfg.num_classes).mean()
         accelerator.backward(loss)
         if cfg.grad_clip:
             accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -398,7 +398,7 @@ def bench_unet(args, accelerator):
         "input_size": list(x.shape[1:]),
         "flops_per_sample": flops_per_sample(
             lambda: unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS}), x, y,
-            lambda logits, y: loss_per_image(logits, y, cfg.num_classes).mean()),
+            lambda logits, y: unet.loss_per_image(logits, y, cfg.num_classes).mean()),
         "steps_per_rep": steps,
         "samples_per_rep": sum(sizes),
         "model": f"UNet(base_channels={cfg.base_channels})",
@@ -521,7 +521,7 @@ def bench_loader(args, accelerator):
         cfg = parse_config(unet.Config, ["--dataset", args.dataset, "--output_dir", args.workdir,
                                          *shlex.split(flags)])
         start = time.perf_counter()
-        data = load_data(cfg, accelerator, functools.partial(unet.augment, cfg=cfg))
+        data = load_data(cfg, accelerator, unet.input_channels, functools.partial(unet.augment, cfg=cfg))
         loader = accelerator.prepare(data.train_loader)
         epochs = itertools.count()
 

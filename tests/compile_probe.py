@@ -25,9 +25,9 @@ unet = load_recipe("unet")
 
 shapes, out, val_fraction = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
 cfg = unet.Config(dataset=shapes, output_dir=str(out), val_fraction=val_fraction, bucket_by_size=True,
-                  num_classes=4, base_channels=4, num_workers=0)
+                  num_classes=4, in_channels=3, base_channels=4, num_workers=0)
 accelerator = build_accelerator()
-val_loader = load_data(cfg, accelerator).val_loader
+val_loader = load_data(cfg, accelerator, unet.input_channels).val_loader
 model = unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS})
 optimizer = torch.optim.AdamW(model.parameters())
 model, optimizer = accelerator.prepare(model, optimizer)

@@ -31,7 +31,7 @@ for on_device in (True, False):
 for bucketed, cache in itertools.product((False, True), ("true", "false")):  # as the recipe's main() builds it
     cfg = unet.Config(dataset=shapes_dir, batch_size=4, num_workers=2, bucket_by_size=bucketed, cache_images=cache,
                       vflip=0.5)
-    data = load_data(cfg, accelerator, functools.partial(unet.augment, cfg=cfg))
+    data = load_data(cfg, accelerator, unet.input_channels, functools.partial(unet.augment, cfg=cfg))
     # Bucketed loaders are sharded and placed by common/sampler.py; the others go through prepare().
     train_loader = data.train_loader if bucketed else accelerator.prepare(data.train_loader)
     loaders[f"unet cache_images {cache}" + " bucket_by_size" * bucketed] = train_loader

@@ -115,8 +115,8 @@ def test_unet_export_takes_any_batch_and_image_size(unet_onnx, unet_weights):
     assert graph_axes(onnx_file) == [["batch", 3, "height", "width"], ["batch", 4, "height", "width"]]
     stored = metadata(onnx_file)
     assert stored == metadata(unet_weights[1]) and stored["recipe"] == "unet"
-    assert json.loads(stored["segmentation"])["model"] == {"num_classes": 4, "base_channels": 4,
-                                                           "bilinear": False}
+    assert json.loads(stored["segmentation"])["model"] == {"in_channels": 3, "num_classes": 4,
+                                                           "base_channels": 4, "bilinear": False}
     x = torch.rand(2, 3, 40, 56)  # a size that neither the export nor its check used
     with torch.no_grad():
         assert (OnnxModel(onnx_file)(x) - torch_model("unet", unet_weights[1])(x)).abs().max() <= 1e-4
@@ -214,10 +214,11 @@ def test_an_export_that_differs_from_torch_is_one_line(tmp_path):
 @pytest.mark.slow
 def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights):
     data, _ = unet_weights
-    cfg = parse_config(load_recipe("unet").Config, ["--dataset", str(data), *map(str, UNET_DATA)])
+    unet = load_recipe("unet")
+    cfg = parse_config(unet.Config, ["--dataset", str(data), *map(str, UNET_DATA)])
     for input_size, first, second in [([32, 40], (4, 3, 32, 40), (1, 3, 48, 72)),
                                       (None, (4, 3, 48, 48), (1, 3, 64, 80))]:  # None: own size
         weights = SegmentationWeights({}, [0, 85, 170, 255], input_size)
-        x, y = sample_images(cfg, weights)
+        x, y = (unet.prepare_input(t, cfg) for t in sample_images(cfg, weights))
         assert (x.shape, y.shape) == (first, second)
         assert x.dtype == torch.float32 and 0 <= x.min() < x.max() <= 1

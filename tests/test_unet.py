@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,7 +21,7 @@ from common import segmentation
 from common.config import ConfigError, parse_config
 from common.data import DataError
 from common.schedule import fit_cosine
-from common.segmentation import IGNORE, SegmentationWeights, dice_counts, loss_per_image, open_sources
+from common.segmentation import IGNORE, SegmentationWeights, open_sources
 from conftest import REPO, assert_ok, compile_config, launch, read_metrics
 from recipe_module import load_recipe
 
@@ -75,7 +76,7 @@ def test_single_process_learns_and_writes_the_output_contract(trained, shapes):
     assert yaml.safe_load((out / "config.yaml").read_text())["base_channels"] == 16
     # num_classes was left at 0: one class per mask value found. The weights file stores it, typed.
     stored = SegmentationWeights.read(out / "model.safetensors")
-    assert stored.model == {"num_classes": 4, "base_channels": 16, "bilinear": False}
+    assert stored.model == {"in_channels": 3, "num_classes": 4, "base_channels": 16, "bilinear": False}
     assert stored.mask_values == [0, 85, 170, 255] and stored.input_size == [SIZE, SIZE]
     assert yaml.safe_load((out / "config.yaml").read_text())["num_classes"] == 4
     with safe_open(out / "model.safetensors", "pt") as f:
@@ -295,6 +296,77 @@ def test_weights_saved_with_one_key_per_setting_still_predict(trained, shapes, t
     assert (pred == true).mean() > 0.9
 
 
+def recoloured(shapes, root, mode, count=None):
+    """A copy of the shapes (the first `count` pairs) with the images in PIL `mode`."""
+    for folder in ("imgs", "masks"):
+        (root / folder).mkdir(parents=True)
+        for path in sorted((shapes / folder).glob("*.png"))[:count]:
+            image = Image.open(path)
+            (image.convert(mode) if folder == "imgs" else image).save(root / folder / path.name)
+    return root
+
+
+@pytest.mark.slow
+def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(unet, shapes, tmp_path):
+    grey = recoloured(shapes, tmp_path / "grey", "L")
+    res = launch([RECIPE, "--dataset", grey, "--output_dir", tmp_path / "out", "--smoke", *FAST],
+                 launcher="python", env=ONE_THREAD)
+    assert_ok(res)
+    assert "; L images; " in res.output, res
+    weights = tmp_path / "out" / "model.safetensors"
+    assert SegmentationWeights.read(weights).model["in_channels"] == 1
+    # Predict reads any image in the channels the weights were trained on.
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    Image.open(shapes / "imgs" / "shape_0000.png").save(inputs / "rgb.png")
+    Image.open(shapes / "imgs" / "shape_0001.png").convert("RGBA").save(inputs / "rgba.png")
+    assert_ok(launch([RECIPE, "--predict", f"{inputs}/*", "--weights", weights, "--predict_dir",
+                      tmp_path / "masks", "--overlay"], launcher="python", env=ONE_THREAD))
+    assert {p.name for p in (tmp_path / "masks").glob("*_mask.png")} == {"rgb_mask.png", "rgba_mask.png"}
+    # RGBA images: 4 channels, read as such by the loaders.
+    from common.runtime import build_accelerator
+    from common.segmentation import load_data
+
+    cfg = unet.Config(dataset=str(recoloured(shapes, tmp_path / "rgba", "RGBA", 20)), val_fraction=0.2,
+                      cache_images="false", num_workers=0)
+    data = load_data(cfg, build_accelerator(), unet.input_channels)
+    x, _ = next(iter(data.train_loader))
+    assert data.in_channels == 4 and x.shape[1] == 4 and x.dtype == torch.uint8
+
+
+def test_images_of_different_channels_say_which_and_what_to_set(unet, shapes, tmp_path):
+    from common.runtime import build_accelerator
+    from common.segmentation import load_data
+
+    root = recoloured(shapes, tmp_path / "data", "RGB", 20)
+    grey = root / "imgs" / "shape_0007.png"
+    Image.open(grey).convert("L").save(grey)
+    cfg = unet.Config(dataset=str(root), val_fraction=0.2, num_workers=0)
+    with pytest.raises(DataError, match=re.escape(
+            f"images have different channels: {grey} is L (1), ") + r"\S+ is RGB \(3\): convert them to one "
+            r"mode, or set --in_channels 3 to read all as RGB$"):
+        load_data(cfg, build_accelerator(), unet.input_channels)
+    # Set, in_channels reads them all alike.
+    data = load_data(replace(cfg, in_channels=3), build_accelerator(), unet.input_channels)
+    assert data.in_channels == 3 and next(iter(data.val_loader))[0].shape[1] == 3
+
+
+@pytest.mark.slow
+def test_weights_written_before_in_channels_was_stored_take_rgb(trained, shapes, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    stored = json.loads(SegmentationWeights.read(trained[0] / "model.safetensors").metadata()["segmentation"])
+    del stored["model"]["in_channels"]
+    old = tmp_path / "old.safetensors"
+    save_file(load_file(trained[0] / "model.safetensors"), old, {"segmentation": json.dumps(stored)})
+    assert SegmentationWeights.read(old).in_channels == 3
+    Image.open(shapes / "imgs" / "shape_0000.png").convert("L").save(tmp_path / "grey.png")
+    res = launch([RECIPE, "--predict", tmp_path / "grey.png", "--weights", old, "--predict_dir", tmp_path],
+                 launcher="python")
+    assert_ok(res)
+    assert Image.open(tmp_path / "grey_mask.png").size == (SIZE, SIZE)
+
+
 @pytest.mark.slow
 def test_binary_masks_from_a_datasets_folder(shapes, tmp_path):
     """The other data path (parquet files with image and mask columns) and the 1-class model:
@@ -397,7 +469,7 @@ def epoch_batches(unet, cfg, epoch):
     from common.runtime import build_accelerator
     from common.segmentation import load_data
 
-    data = load_data(cfg, build_accelerator(), partial(unet.augment, cfg=cfg))
+    data = load_data(cfg, build_accelerator(), unet.input_channels, partial(unet.augment, cfg=cfg))
     data.train_loader.dataset.epoch = epoch  # the order: the loader's first, from its own seeded generator
     return data.reading, list(data.train_loader)
 
@@ -465,7 +537,7 @@ def test_without_bucket_by_size_mixed_sizes_say_what_to_set(mixed_shapes, tmp_pa
 
 
 @pytest.mark.parametrize("num_classes", [4, 1])
-def test_padding_changes_neither_the_loss_nor_the_dice_counts(num_classes):
+def test_padding_changes_neither_the_loss_nor_the_dice_counts(unet, num_classes):
     torch.manual_seed(0)
     logits = torch.randn(1, num_classes, 20, 24)
     target = torch.randint(0, segmentation.value_count(num_classes), (1, 20, 24))
@@ -475,9 +547,9 @@ def test_padding_changes_neither_the_loss_nor_the_dice_counts(num_classes):
     assert (y[0, 20:] == IGNORE).all() and (y[0, :, 24:] == IGNORE).all() and (x[0, :, 20:] == 0).all()
     padded_logits = 10 * torch.randn(2, num_classes, 48, 32)  # whatever the model says about the padding
     padded_logits[0, :, :20, :24] = logits[0]
-    loss, padded_loss = (loss_per_image(lg, t, num_classes)[0] for lg, t in ((logits, target), (padded_logits, y)))
+    loss, padded_loss = (unet.loss_per_image(lg, t, num_classes)[0] for lg, t in ((logits, target), (padded_logits, y)))
     assert padded_loss.item() == pytest.approx(loss.item(), rel=1e-5)
-    for a, b in zip(dice_counts(logits, target, num_classes), dice_counts(padded_logits, y, num_classes)):
+    for a, b in zip(unet.dice_counts(logits, target, num_classes), unet.dice_counts(padded_logits, y, num_classes)):
         assert torch.equal(a[0], b[0])
 
 
@@ -532,10 +604,10 @@ def test_num_classes_comes_from_the_masks_in_the_carvana_layout(shapes, tmp_path
 
 TINY_SEGMENTER = """
 class TinySegmenter(torch.nn.Module):  # the user's own model: a few convolutions, no U
-    def __init__(self, num_classes, base_channels):
+    def __init__(self, in_channels, num_classes, base_channels):
         super().__init__()
         self.body = torch.nn.Sequential(
-            torch.nn.Conv2d(3, base_channels, 3, padding=1), torch.nn.BatchNorm2d(base_channels), torch.nn.ReLU(),
+            torch.nn.Conv2d(in_channels, base_channels, 3, padding=1), torch.nn.BatchNorm2d(base_channels), torch.nn.ReLU(),
             torch.nn.Conv2d(base_channels, num_classes, 1))
 
     def forward(self, x):
@@ -557,8 +629,8 @@ def test_a_unet_copy_with_its_own_model_trains_on_1_and_2_processes_and_predicts
     original = (REPO / RECIPE).read_text()
     marker = "# ADAPT: your model: the Config fields that build it"
     source = original.replace(marker, TINY_SEGMENTER + marker)
-    source = source.replace('MODEL_SETTINGS = ("num_classes", "base_channels", "bilinear")',
-                            'MODEL_SETTINGS = ("num_classes", "base_channels")')
+    source = source.replace('MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels", "bilinear")',
+                            'MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels")')
     source = source.replace("    return UNet(**settings)", "    return TinySegmenter(**settings)")
     assert changed_lines(original, source) == UNET_CHANGED_LINES
     copy = REPO / "recipes" / f"my_segmenter_{tmp_path.name[-8:]}.py"
@@ -575,7 +647,7 @@ def test_a_unet_copy_with_its_own_model_trains_on_1_and_2_processes_and_predicts
     for res, out in ((one, "one"), (two, "two")):
         assert_ok(res)
         assert read_metrics(tmp_path / out)[0]["eval_samples"] == N_VAL
-    assert SegmentationWeights.read(weights).model == {"num_classes": 4, "base_channels": 8}
+    assert SegmentationWeights.read(weights).model == {"in_channels": 3, "num_classes": 4, "base_channels": 8}
     with safe_open(weights, "pt") as f:
         assert {k.split(".")[0] for k in f.keys()} == {"body"}  # the copy's model, not the U-Net
     assert_ok(predicted)
