@@ -6,7 +6,7 @@
 
 The accelerate config picks CPU, GPUs and fp16/bf16. Settings: the Config fields below and those
 it inherits, by `--config run.yaml` and `--field value`. Copy this file to start your own
-recipe; `# ADAPT:` marks what to change. Data and predict: common/segmentation.py.
+recipe; `# ADAPT:` marks what to change. Data: unet_data.py; predict: unet_predict.py.
 """
 
 import math
@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from common.checkpoint import load_checkpoint, load_weights, save_checkpoint, save_weights
 from common.config import require, require_at_least
+from common.data import crop_and_flip
 from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import export_onnx
@@ -32,18 +33,18 @@ from common.progress import Progress
 from common.runtime import build_accelerator, close, describe, open_run, run, start_logging
 from common.runtime import sync_batchnorm, tracker
 from common.schedule import fit_cosine
-from common.segmentation import (
-    IGNORE, MODES, SegmentationConfig, SegmentationWeights, crop_and_flip, fit_to_weights,
-    image_panel, load_data, load_model, predict, predicted_classes, require_same_classes,
-    sample_images, segment, value_count,
+from unet_data import IGNORE, MODES, load_data, value_count
+from unet_model import MIN_SIZE, UNet  # ADAPT: your model
+from unet_predict import (
+    PredictConfig, SegmentationWeights, fit_to_weights, image_panel, load_model, predict,
+    predicted_classes, require_same_classes, sample_images, segment,
 )
-from unet_model import UNet  # ADAPT: your model
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
 
 
 @dataclass
-class Config(SegmentationConfig):  # + the data, class and predict settings it inherits
+class Config(PredictConfig):  # + the data, class and predict settings it inherits
     # Data. ADAPT: a folder with imgs/ and masks/ (imgs/NAME.jpg with masks/NAME.png or
     # masks/NAME_mask.gif, as Carvana), or a hub name / folder that datasets.load_dataset reads.
     dataset: str = "data/shapes"  # `make data/shapes` writes it (scripts/make_shapes.py)
@@ -80,8 +81,8 @@ class Config(SegmentationConfig):  # + the data, class and predict settings it i
         require(self.channels_last in ("auto", "true", "false"),
                 f"channels_last must be auto, true or false, got {self.channels_last!r}")
         for name in ("image_size", "crop_size"):
-            require(getattr(self, name) == 0 or getattr(self, name) >= 32,
-                    f"{name} must be 0 or at least 32: the U-Net halves the image 4 times")
+            require(getattr(self, name) == 0 or getattr(self, name) >= MIN_SIZE,
+                    f"{name} must be 0 or at least {MIN_SIZE}: the U-Net halves the image 4 times")
         require(not self.image_size or self.crop_size <= self.image_size,
                 "crop_size cannot exceed image_size")
         require(not self.bucket_by_size or not (self.image_size or self.crop_size),
@@ -246,7 +247,7 @@ def main(cfg):
     set_seed(cfg.seed)
     # No cudnn.benchmark with bucket_by_size: it would time every new (batch, height, width).
     set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)
-    if cfg.predict:  # a mode of its own: masks for new images (common/segmentation.py)
+    if cfg.predict:  # a mode of its own: masks for new images (unet_predict.py)
         predict(cfg, accelerator, build_model, partial(prepare_input, cfg=cfg))
         close(accelerator)
         return

@@ -79,7 +79,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "recipes")]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -94,7 +94,8 @@ from common.config import UserError, parse_config  # noqa: E402
 from common.determinism import set_deterministic  # noqa: E402
 from common.metrics import peak_memory_mb  # noqa: E402
 from common.progress import Progress  # noqa: E402
-from common.segmentation import load_data, open_sources, worker_count  # noqa: E402
+from common.data import worker_count  # noqa: E402
+from unet_data import load_data, open_sources  # noqa: E402
 from common.runtime import build_accelerator, close  # noqa: E402
 from recipe_module import load_recipe  # noqa: E402  (tests/recipe_module.py)
 
@@ -404,7 +405,7 @@ def bench_unet(args, accelerator):
         "model": f"UNet(base_channels={cfg.base_channels})",
         "optimizer": f"AdamW(lr={cfg.lr}, weight_decay={cfg.weight_decay}), gradient norm clipped to {cfg.grad_clip}; "
                      f"recipe and bound: make_optimizer (fused kernels, except under fp16); classic: foreach kernels",
-        "recipe_loop": f"common/segmentation.py load_data ({data.reading}) + recipes/unet.py train_one_epoch",
+        "recipe_loop": f"recipes/unet_data.py load_data ({data.reading}) + recipes/unet.py train_one_epoch",
         "startup_cmd": [sys.executable, "recipes/unet.py", "--dataset", cfg.dataset, "--smoke",
                         "--smoke_steps", "1"],
         "startup_marker": "unet: ",  # main() prints this line after data, model and prepare()

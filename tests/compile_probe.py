@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common.checkpoint import save_weights
 from common.runtime import build_accelerator, close
-from common.segmentation import load_data
+from unet_data import load_data
 
 unet = load_recipe("unet")
 

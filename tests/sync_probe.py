@@ -16,7 +16,7 @@ import torch
 from recipe_module import load_recipe  # first: it puts the repository on sys.path
 
 from common.runtime import build_accelerator, close
-from common.segmentation import load_data
+from unet_data import load_data
 
 mnist_dir, shapes_dir = sys.argv[1:3]
 mnist, unet = load_recipe("mnist"), load_recipe("unet")

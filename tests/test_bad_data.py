@@ -13,9 +13,9 @@ import pytest
 from PIL import Image
 
 from common.data import DataError
-from common.segmentation import open_sources
 from conftest import REPO, assert_ok, launch
 from recipe_module import load_recipe
+from unet_data import open_sources
 
 MNIST, UNET = "recipes/mnist.py", "recipes/unet.py"
 UNET_FAST = ["--base_channels", 8, "--val_fraction", 0.2, "--eval_batch_size", 4, "--batch_size", 4]
@@ -195,7 +195,7 @@ def test_a_bad_file_found_by_the_scan_stops_both_ranks_with_one_line(unet, shape
 def test_a_bad_mask_found_by_the_scan_is_named(change, unet, shapes, tmp_path):
     # What the scan says; the launch above shows that what rank 1 finds reaches the user once.
     from common.runtime import build_accelerator
-    from common.segmentation import scan_masks
+    from unet_data import scan_masks
 
     shutil.copytree(shapes, tmp_path / "data")
     bad = pair(unet, tmp_path / "data", 1, 1)

@@ -15,9 +15,9 @@ from safetensors import safe_open
 from common.checkpoint import load_weights
 from common.config import ConfigError, UserError, parse_config
 from common.export import OnnxModel, check_onnx, write_onnx
-from common.segmentation import SegmentationWeights, load_model, sample_images
 from conftest import assert_ok, launch, make_shapes
 from recipe_module import load_recipe
+from unet_predict import SegmentationWeights, load_model, sample_images
 
 MNIST, UNET = "recipes/mnist.py", "recipes/unet.py"
 UNET_DATA = ["--val_fraction", 0.2, "--num_workers", 0]  # 20 images: 16 train, 4 validation

@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 
 from common.config import ConfigError, UserError, parse_config
-from common.segmentation import SegmentationWeights, segment, tiled
 from conftest import REPO, assert_ok, launch, make_shapes
 from recipe_module import load_recipe
+from unet_predict import SegmentationWeights, segment, tiled
 
 RECIPE = "recipes/unet.py"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
