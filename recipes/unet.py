@@ -253,9 +253,9 @@ def main(cfg):
         return
     if cfg.export:  # a mode of its own: an .onnx file beside the weights (common/export.py)
         model, weights = load_model(cfg, build_model)
-        inputs = [prepare_input(x, cfg) for x in sample_images(cfg, weights)]
-        export_onnx(accelerator, model, inputs, cfg.weights, {"recipe": NAME},
-                    {0: "batch", 2: "height", 3: "width"})  # any batch and image size
+        images, what = sample_images(cfg, weights)  # validation images, else random pixels
+        export_onnx(accelerator, model, [prepare_input(x, cfg) for x in images], cfg.weights,
+                    {"recipe": NAME}, {0: "batch", 2: "height", 3: "width"}, what)  # any size
         close(accelerator)
         return
     out, checkpoint = open_run(accelerator, cfg)

@@ -26,8 +26,11 @@ from common.checkpoint import load_weights
 from common.config import UserError, require
 from common.data import DataError, pad_to
 from common.export import OnnxModel, onnx_metadata
-from unet_data import IMAGE_SUFFIXES, MODES, SegmentationConfig, decode_pair, open_sources, padded
+from unet_data import IMAGE_SUFFIXES, MODES, SHAPES, SegmentationConfig, decode_pair, open_sources
+from unet_data import padded
 from unet_model import MIN_SIZE, PAD_MULTIPLE
+
+EXPORT_SIZE = 64  # export's random inputs for a model trained at its images' own sizes
 
 
 @dataclass
@@ -225,18 +228,27 @@ def load_model(cfg, build_model, device="cpu"):
 
 
 def sample_images(cfg, weights, count=4):
-    """Up to `count` validation images as the data gives them (uint8 [N, C, H, W]), at the size
-    the model was trained on (input_size, or the first one's own size padded), and the first one
-    again at another size (16 and 32 pixels more): real inputs to check an export on."""
+    """([images, image], what they are): inputs to check an export on. Up to `count` validation
+    images as the data gives them (uint8 [N, C, H, W]), at the size the model was trained on
+    (input_size, or the first one's own size padded), and the first one again at another size
+    (16 and 32 pixels more). With no data (the default dataset, not made), random pixels of that
+    size, or EXPORT_SIZE for a model trained at its images' own sizes: its weights came from
+    data that need not be here."""
     from torchvision.transforms.v2.functional import resize  # see decode_pair
 
+    if cfg.dataset == SHAPES and not Path(SHAPES).exists():
+        h, w = weights.input_size or (EXPORT_SIZE, EXPORT_SIZE)
+        shape = (count, weights.in_channels, h + 16, w + 32)
+        seeded = torch.Generator().manual_seed(0)
+        x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=seeded)
+        return [x[..., :h, :w], x[:1]], f"random pixels: no --dataset, {SHAPES} is not made"
     _, val_source = open_sources(cfg)
     mode = MODES[weights.in_channels]
     images = [decode_pair(val_source, i, weights.mask_values, mode)[0]
               for i in range(min(count, len(val_source)))]
     h, w = weights.input_size or (padded(images[0].shape[1]), padded(images[0].shape[2]))
     return [torch.stack([resize(im, [h, w], antialias=True) for im in images]),
-            resize(images[0], [h + 16, w + 32], antialias=True)[None]]
+            resize(images[0], [h + 16, w + 32], antialias=True)[None]], f"images of {cfg.dataset}"
 
 
 def predict(cfg, accelerator, build_model, prepare_input):

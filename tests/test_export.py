@@ -2,7 +2,10 @@
 them, checked against PyTorch, with the weights file's metadata; the U-Net predicts from it."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,7 +18,7 @@ from safetensors import safe_open
 from common.checkpoint import load_weights
 from common.config import ConfigError, UserError, parse_config
 from common.export import OnnxModel, check_onnx, write_onnx
-from conftest import assert_ok, launch, make_shapes
+from conftest import REPO, assert_ok, launch, make_shapes
 from recipe_module import load_recipe
 from unet_predict import SegmentationWeights, load_model, sample_images
 
@@ -23,13 +26,13 @@ MNIST, UNET = "recipes/mnist.py", "recipes/unet.py"
 UNET_DATA = ["--val_fraction", 0.2, "--num_workers", 0]  # 20 images: 16 train, 4 validation
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on 2 cores a second thread slows these tiny models down
 WROTE = re.compile(r"wrote (\S+): onnxruntime's logits are within (\S+) of PyTorch's \(max abs, "
-                   r"fp32\) on inputs of (.+)")
+                   r"fp32\) on inputs of ([^(\n]+?)(?: \((.*)\))?$", re.M)
 
 
 def checked(res):
     """(path, max difference, input shapes) from an export's report line."""
     assert_ok(res)
-    path, worst, shapes = WROTE.search(res.output).groups()
+    path, worst, shapes, _ = WROTE.search(res.output).groups()
     return path, float(worst), shapes.split(", ")
 
 
@@ -137,6 +140,30 @@ def test_unet_predict_from_onnx_writes_the_same_masks(unet_onnx, unet_weights, t
     assert len(found) > 1, found  # the model predicts shapes, not background alone
 
 
+@pytest.mark.slow
+def test_unet_export_without_data_checks_random_inputs_of_the_stored_size(unet_weights, tmp_path):
+    # Weights from data that is not here, and no --dataset: the check runs on random pixels of
+    # the size the weights store (64x64 for weights of images at their own sizes), and says so.
+    from safetensors.torch import load_file, save_file
+
+    native = tmp_path / "native.safetensors"
+    stored = SegmentationWeights.read(unet_weights[1])
+    stored.input_size = None
+    save_file(load_file(unet_weights[1]), native, stored.metadata(recipe="unet"))
+    for weights, sizes in [(unet_weights[1], ["4x3x48x48", "1x3x64x80"]),
+                           (native, ["4x3x64x64", "1x3x80x96"])]:
+        # Run where no data/shapes is, as a user who copied only the weights.
+        res = subprocess.run([sys.executable, REPO / UNET, "--export", "onnx", "--weights", weights],
+                             cwd=tmp_path, capture_output=True, text=True,
+                             env={**os.environ, "ACCELERATE_USE_CPU": "1", **ONE_THREAD})
+        output = res.stdout + res.stderr
+        assert res.returncode == 0 and WROTE.search(output), output
+        path, worst, shapes, what = WROTE.search(output).groups()
+        assert path == str(weights.with_suffix(".onnx")) and float(worst) <= 1e-4, output
+        assert shapes.split(", ") == sizes
+        assert what == "random pixels: no --dataset, data/shapes is not made"
+
+
 def hide(tmp_path, package):
     """PYTHONPATH for a subprocess in which `package` cannot be imported, as if not installed."""
     (tmp_path / package).mkdir()
@@ -219,6 +246,7 @@ def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights):
     for input_size, first, second in [([32, 40], (4, 3, 32, 40), (1, 3, 48, 72)),
                                       (None, (4, 3, 48, 48), (1, 3, 64, 80))]:  # None: own size
         weights = SegmentationWeights({}, [0, 85, 170, 255], input_size)
-        x, y = (unet.prepare_input(t, cfg) for t in sample_images(cfg, weights))
+        images, what = sample_images(cfg, weights)
+        x, y = (unet.prepare_input(t, cfg) for t in images)
         assert (x.shape, y.shape) == (first, second)
         assert x.dtype == torch.float32 and 0 <= x.min() < x.max() <= 1
