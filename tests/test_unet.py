@@ -598,3 +598,48 @@ def test_a_unet_copy_with_its_own_model_trains_on_1_and_2_processes_and_predicts
     assert_ok(predicted)
     mask = Image.open(tmp_path / "masks" / "shape_0000_mask.png")
     assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= VALUES
+
+
+GREY_LOSS = '''def loss_per_image(logits, target, num_classes):  # cross-entropy alone, padding left out
+    ce = F.cross_entropy(logits.float(), target, ignore_index=IGNORE, reduction="none")
+    return ce.sum((1, 2)) / (target != IGNORE).sum((1, 2)).clamp(min=1)
+'''
+GREY_CHANGED_LINES = 17  # input_channels' line and the 16 lines of the recipe's loss
+
+
+@pytest.mark.slow
+def test_a_unet_copy_for_grey_images_with_its_own_loss_trains_and_predicts(shapes, tmp_path):
+    # What a user with 1-channel images of 3 classes changes: in the copied recipe only.
+    original = (REPO / RECIPE).read_text()
+    start = original.index("def loss_per_image(")
+    source = original[:start] + GREY_LOSS + original[original.index("\n\n\n", start) + 1:]
+    # Read every image as grey, even one saved as RGB.
+    source = source.replace(
+        '    return 1 if mode in ("1", "L", "I", "I;16", "F") else 4 if mode in ("RGBA", "LA", "PA") '
+        'else 3', "    return 1")
+    assert changed_lines(original, source) == GREY_CHANGED_LINES
+    root = tmp_path / "grey"  # grey images, with one left in RGB, and 3 classes: 255 joins 170
+    for folder in ("imgs", "masks"):
+        (root / folder).mkdir(parents=True)
+    for i, path in enumerate(sorted((shapes / "imgs").glob("*.png"))):
+        Image.open(path).convert("RGB" if i == 5 else "L").save(root / "imgs" / path.name)
+    for path in (shapes / "masks").glob("*.png"):
+        mask = np.asarray(Image.open(path))
+        Image.fromarray(np.where(mask == 255, 170, mask).astype(np.uint8)).save(root / "masks" / path.name)
+    copy = REPO / "recipes" / f"my_grey_{tmp_path.name[-8:]}.py"
+    copy.write_text(source)
+    try:
+        res = launch([copy, "--dataset", root, *FAST, "--base_channels", 8, "--smoke", "--output_dir",
+                      tmp_path / "out"], launcher="python", env=ONE_THREAD)
+        weights = tmp_path / "out" / "model.safetensors"
+        predicted = launch([copy, "--predict", shapes / "imgs" / "shape_0000.png", "--weights", weights,
+                            "--predict_dir", tmp_path / "masks"], launcher="python")
+    finally:
+        copy.unlink()
+    assert_ok(res)
+    assert "; L images; " in res.output and "classes: mask values 0,85,170;" in res.output, res
+    stored = SegmentationWeights.read(weights)
+    assert stored.model["in_channels"] == 1 and stored.model["num_classes"] == 3
+    assert_ok(predicted)  # an RGB image, read in the weights' 1 channel
+    mask = Image.open(tmp_path / "masks" / "shape_0000_mask.png")
+    assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= {0, 85, 170}
