@@ -7,7 +7,7 @@
     labels = class_labels(splits["train"], "label", 10, "train split")   # int64, checked
     x, y = cached_tensors(splits["train"], ["image", "label"], decode)  # decode() once, then a file
     require_one_batch_per_process(len(train_set), batch_size, accelerator, "the train split")
-    workers = worker_count(-1, accelerator.num_processes)  # DataLoader workers: 1 per core, at most 8
+    workers = worker_count(-1, accelerator.num_processes)  # DataLoader workers: 1 a core, <= 8
     TensorBatches(images, labels)       # a TensorDataset read a whole batch at a time
     x = random_shift(x, 2)              # augmentation: each image moved by up to 2 pixels
 
@@ -57,7 +57,8 @@ def looks_like_path(name):
 
 def unreadable_image(what, e, kind="image"):
     """The DataError for an image (file or row `what`) that PIL cannot open or decode (error e)."""
-    reason = "not an image file PIL can read" if isinstance(e, UnidentifiedImageError) else _first_line(e)
+    unknown = isinstance(e, UnidentifiedImageError)
+    reason = "not an image file PIL can read" if unknown else _first_line(e)
     return DataError(f"cannot read {kind} {what} ({reason}): fix or remove the file")
 
 
@@ -81,7 +82,8 @@ def load_splits(name, splits, columns, hint=None):
     if local.exists():
         source = str(local)
     elif looks_like_path(name):
-        raise DataError(f"dataset path {name} does not exist: check --dataset" + (f"; {hint}" if hint else ""))
+        raise DataError(f"dataset path {name} does not exist: check --dataset"
+                        + (f"; {hint}" if hint else ""))
     else:
         source = name
         if not _hub_reachable():
@@ -104,10 +106,11 @@ def load_splits(name, splits, columns, hint=None):
         if local.exists():
             raise DataError(f"could not read dataset folder {name}: {e}") from None
         raise DataError(
-            f"could not load {name!r}: no folder of that name here, and not from the Hugging Face Hub "
-            f"({type(e).__name__}; no internet?): point --dataset at a local folder"
-            + (f": {hint}" if hint else f" that datasets.load_dataset reads, such as parquet files "
-               f"{' and '.join(s + '*.parquet' for s in splits)} with columns {' and '.join(columns)}")
+            f"could not load {name!r}: no folder of that name here, and not from the Hugging Face "
+            f"Hub ({type(e).__name__}; no internet?): point --dataset at a local folder"
+            + (f": {hint}" if hint else f" that datasets.load_dataset reads, such as parquet "
+               f"files {' and '.join(s + '*.parquet' for s in splits)} with columns "
+               f"{' and '.join(columns)}")
         ) from None
     except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException) as e:
         # A data file that does not read. datasets raises pyarrow's error if it is the first file
@@ -115,13 +118,14 @@ def load_splits(name, splits, columns, hint=None):
         bad = _unreadable_parquet(local) if local.exists() else None
         if bad:
             path, reason = bad
-            raise DataError(f"cannot read {path} ({reason}): it is truncated or not a parquet file; "
-                            f"write it again, or remove it from {name}") from None
+            raise DataError(f"cannot read {path} ({reason}): it is truncated or not a parquet "
+                            f"file; write it again, or remove it from {name}") from None
         raise DataError(f"could not read dataset {name}: {_first_line(e.__cause__ or e)}") from None
     except (FileNotFoundError, ValueError) as e:  # no data files, unknown format, empty folder
         first = _first_line(e)
         if "corresponds to no data" in first:  # datasets' words for a split with no rows
-            raise DataError(f"dataset {name} has an empty split ({first}): add samples to it") from None
+            raise DataError(f"dataset {name} has an empty split ({first}): add samples to "
+                            f"it") from None
         raise DataError(f"could not read dataset {name}: {first}") from None
     finally:
         datasets.logging.set_verbosity_error()
@@ -165,7 +169,7 @@ def _unreadable_parquet(local):
                 for i in range(file.num_row_groups if whole else 0):
                     file.read_row_group(i)
             except (pyarrow.ArrowException, OSError) as e:
-                return path, _first_line(e).split(". ")[0]  # not its "Either the file is corrupted..."
+                return path, _first_line(e).split(". ")[0]  # not "Either the file is corrupted..."
     return None
 
 
@@ -180,7 +184,8 @@ def decode_images(split, column, where):
 
     feature = split.features[column]
     if not isinstance(feature, datasets.Image):
-        raise DataError(f"{where}'s column {column!r} holds {feature}, not images: check the image column")
+        raise DataError(f"{where}'s column {column!r} holds {feature}, not images: check the "
+                        f"image column")
     raw = split.select_columns([column]).cast_column(column, datasets.Image(decode=False))[column]
     decode = datasets.Image(mode=feature.mode).decode_example
     images = []
@@ -219,12 +224,13 @@ def cached_tensors(split, key, make, enabled=True):
     if path.exists():
         try:
             with safe_open(path, "pt") as file:
-                if file.metadata() == {"key": name}:  # else another key, same name: as good as never
+                if file.metadata() == {"key": name}:  # else another key of that name: as if none
                     return tuple(file.get_tensor(str(i)) for i in range(len(file.keys())))
             problem = "made for other data"
         except (OSError, SafetensorError) as e:  # truncated or damaged
             problem = _first_line(e)
-        print(f"warning: cannot read cache file {path} ({problem}): writing it again", file=sys.stderr)
+        print(f"warning: cannot read cache file {path} ({problem}): writing it again",
+              file=sys.stderr)
     tensors = make()
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # unique: ranks write at once
     try:
@@ -233,8 +239,8 @@ def cached_tensors(split, key, make, enabled=True):
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:  # a full disk or a read-only cache: run on without
         tmp.unlink(missing_ok=True)
-        print(f"warning: cannot write cache file {path} ({_first_line(e)}): decoding again next run",
-              file=sys.stderr)
+        print(f"warning: cannot write cache file {path} ({_first_line(e)}): decoding again next "
+              f"run", file=sys.stderr)
     return tensors
 
 
@@ -313,7 +319,8 @@ def crop_and_flip(images, masks, rand, crop=0, hflip=0.0, vflip=0.0):
 
 def pad_to(tensor, height, width, value):
     """[..., h, w] -> [..., height, width], filled with `value` at the bottom and right."""
-    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1], 0, height - tensor.shape[-2]), value=value)
+    padding = (0, width - tensor.shape[-1], 0, height - tensor.shape[-2])
+    return torch.nn.functional.pad(tensor, padding, value=value)
 
 
 class TableRows:
@@ -351,8 +358,8 @@ def class_labels(split, column, num_classes, where):
     DataError naming the column's type or the label out of range."""
     labels = split.select_columns([column]).with_format("numpy")[:][column]
     if labels.dtype.kind not in "iu":
-        raise DataError(f"{where}'s column {column!r} holds {split.features[column]}, not class indices: "
-                        f"map the labels to integers 0..{num_classes - 1}")
+        raise DataError(f"{where}'s column {column!r} holds {split.features[column]}, not class "
+                        f"indices: map the labels to integers 0..{num_classes - 1}")
     labels = torch.from_numpy(labels).long()
     if labels.min() < 0 or labels.max() >= num_classes:
         bad = int(labels.max() if labels.max() >= num_classes else labels.min())

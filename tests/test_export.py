@@ -105,7 +105,8 @@ def test_mnist_export_writes_a_checked_onnx_file_for_any_batch(mnist_weights, ti
     # A third batch size, compared here rather than by the code under test.
     x = torch.randn(5, 1, 28, 28)
     with torch.no_grad():
-        assert (OnnxModel(onnx_file)(x) - torch_model("mnist", mnist_weights)(x)).abs().max() <= 1e-4
+        difference = OnnxModel(onnx_file)(x) - torch_model("mnist", mnist_weights)(x)
+        assert difference.abs().max() <= 1e-4
 
 
 @pytest.mark.slow
@@ -115,14 +116,16 @@ def test_unet_export_takes_any_batch_and_image_size(unet_onnx, unet_weights):
     assert path == str(onnx_file) and worst <= 1e-4, res
     # Validation images at the training size, and one at another height and width.
     assert shapes == ["4x3x48x48", "1x3x64x80"], res
-    assert graph_axes(onnx_file) == [["batch", 3, "height", "width"], ["batch", 4, "height", "width"]]
+    assert graph_axes(onnx_file) == [["batch", 3, "height", "width"],
+                                     ["batch", 4, "height", "width"]]
     stored = metadata(onnx_file)
     assert stored == metadata(unet_weights[1]) and stored["recipe"] == "unet"
     assert json.loads(stored["segmentation"])["model"] == {"in_channels": 3, "num_classes": 4,
                                                            "base_channels": 4, "bilinear": False}
     x = torch.rand(2, 3, 40, 56)  # a size that neither the export nor its check used
     with torch.no_grad():
-        assert (OnnxModel(onnx_file)(x) - torch_model("unet", unet_weights[1])(x)).abs().max() <= 1e-4
+        difference = OnnxModel(onnx_file)(x) - torch_model("unet", unet_weights[1])(x)
+        assert difference.abs().max() <= 1e-4
 
 
 @pytest.mark.slow
@@ -153,8 +156,8 @@ def test_unet_export_without_data_checks_random_inputs_of_the_stored_size(unet_w
     for weights, sizes in [(unet_weights[1], ["4x3x48x48", "1x3x64x80"]),
                            (native, ["4x3x64x64", "1x3x80x96"])]:
         # Run where no data/shapes is, as a user who copied only the weights.
-        res = subprocess.run([sys.executable, REPO / UNET, "--export", "onnx", "--weights", weights],
-                             cwd=tmp_path, capture_output=True, text=True,
+        res = subprocess.run([sys.executable, REPO / UNET, "--export", "onnx", "--weights",
+                              weights], cwd=tmp_path, capture_output=True, text=True,
                              env={**os.environ, "ACCELERATE_USE_CPU": "1", **ONE_THREAD})
         output = res.stdout + res.stderr
         assert res.returncode == 0 and WROTE.search(output), output
