@@ -77,7 +77,8 @@ def test_single_process_learns_and_writes_the_output_contract(trained, shapes):
     assert yaml.safe_load((out / "config.yaml").read_text())["base_channels"] == 16
     # num_classes was left at 0: one class per mask value found. The weights file stores it, typed.
     stored = SegmentationWeights.read(out / "model.safetensors")
-    assert stored.model == {"in_channels": 3, "num_classes": 4, "base_channels": 16, "bilinear": False}
+    assert stored.model == {"in_channels": 3, "num_classes": 4, "base_channels": 16,
+                            "bilinear": False}
     assert stored.mask_values == [0, 85, 170, 255] and stored.input_size == [SIZE, SIZE]
     assert yaml.safe_load((out / "config.yaml").read_text())["num_classes"] == 4
     with safe_open(out / "model.safetensors", "pt") as f:
@@ -300,14 +301,15 @@ def test_weights_saved_with_one_key_per_setting_say_to_train_again(trained, shap
 def test_weights_written_before_in_channels_was_stored_take_rgb(trained, shapes, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    stored = json.loads(SegmentationWeights.read(trained[0] / "model.safetensors").metadata()["segmentation"])
+    weights = trained[0] / "model.safetensors"
+    stored = json.loads(SegmentationWeights.read(weights).metadata()["segmentation"])
     del stored["model"]["in_channels"]
     old = tmp_path / "old.safetensors"
-    save_file(load_file(trained[0] / "model.safetensors"), old, {"segmentation": json.dumps(stored)})
+    save_file(load_file(weights), old, {"segmentation": json.dumps(stored)})
     assert SegmentationWeights.read(old).in_channels == 3
     Image.open(shapes / "imgs" / "shape_0000.png").convert("L").save(tmp_path / "grey.png")
-    res = launch([RECIPE, "--predict", tmp_path / "grey.png", "--weights", old, "--predict_dir", tmp_path],
-                 launcher="python")
+    res = launch([RECIPE, "--predict", tmp_path / "grey.png", "--weights", old, "--predict_dir",
+                  tmp_path], launcher="python")
     assert_ok(res)
     assert Image.open(tmp_path / "grey_mask.png").size == (SIZE, SIZE)
 
@@ -492,9 +494,11 @@ def test_padding_changes_neither_the_loss_nor_the_dice_counts(unet, num_classes)
     assert (y[0, 20:] == IGNORE).all() and (y[0, :, 24:] == IGNORE).all() and (x[0, :, 20:] == 0).all()
     padded_logits = 10 * torch.randn(2, num_classes, 48, 32)  # whatever the model says about the padding
     padded_logits[0, :, :20, :24] = logits[0]
-    loss, padded_loss = (unet.loss_per_image(lg, t, num_classes)[0] for lg, t in ((logits, target), (padded_logits, y)))
+    loss, padded_loss = (unet.loss_per_image(lg, t, num_classes)[0]
+                         for lg, t in ((logits, target), (padded_logits, y)))
     assert padded_loss.item() == pytest.approx(loss.item(), rel=1e-5)
-    for a, b in zip(unet.dice_counts(logits, target, num_classes), unet.dice_counts(padded_logits, y, num_classes)):
+    for a, b in zip(unet.dice_counts(logits, target, num_classes),
+                    unet.dice_counts(padded_logits, y, num_classes)):
         assert torch.equal(a[0], b[0])
 
 
@@ -552,7 +556,8 @@ class TinySegmenter(torch.nn.Module):  # the user's own model: a few convolution
     def __init__(self, in_channels, num_classes, base_channels):
         super().__init__()
         self.body = torch.nn.Sequential(
-            torch.nn.Conv2d(in_channels, base_channels, 3, padding=1), torch.nn.BatchNorm2d(base_channels), torch.nn.ReLU(),
+            torch.nn.Conv2d(in_channels, base_channels, 3, padding=1),
+            torch.nn.BatchNorm2d(base_channels), torch.nn.ReLU(),
             torch.nn.Conv2d(base_channels, num_classes, 1))
 
     def forward(self, x):
@@ -574,8 +579,9 @@ def test_a_unet_copy_with_its_own_model_trains_on_1_and_2_processes_and_predicts
     original = (REPO / RECIPE).read_text()
     marker = "# ADAPT: your model: the Config fields that build it"
     source = original.replace(marker, TINY_SEGMENTER + marker)
-    source = source.replace('MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels", "bilinear")',
-                            'MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels")')
+    source = source.replace(
+        'MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels", "bilinear")',
+        'MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels")')
     source = source.replace("    return UNet(**settings)", "    return TinySegmenter(**settings)")
     assert changed_lines(original, source) == UNET_CHANGED_LINES
     copy = REPO / "recipes" / f"my_segmenter_{tmp_path.name[-8:]}.py"
@@ -592,7 +598,8 @@ def test_a_unet_copy_with_its_own_model_trains_on_1_and_2_processes_and_predicts
     for res, out in ((one, "one"), (two, "two")):
         assert_ok(res)
         assert read_metrics(tmp_path / out)[0]["eval_samples"] == N_VAL
-    assert SegmentationWeights.read(weights).model == {"in_channels": 3, "num_classes": 4, "base_channels": 8}
+    assert SegmentationWeights.read(weights).model == {"in_channels": 3, "num_classes": 4,
+                                                       "base_channels": 8}
     with safe_open(weights, "pt") as f:
         assert {k.split(".")[0] for k in f.keys()} == {"body"}  # the copy's model, not the U-Net
     assert_ok(predicted)
@@ -600,7 +607,7 @@ def test_a_unet_copy_with_its_own_model_trains_on_1_and_2_processes_and_predicts
     assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= VALUES
 
 
-GREY_LOSS = '''def loss_per_image(logits, target, num_classes):  # cross-entropy alone, padding left out
+GREY_LOSS = '''def loss_per_image(logits, target, num_classes):  # cross-entropy, padding left out
     ce = F.cross_entropy(logits.float(), target, ignore_index=IGNORE, reduction="none")
     return ce.sum((1, 2)) / (target != IGNORE).sum((1, 2)).clamp(min=1)
 '''
@@ -615,8 +622,8 @@ def test_a_unet_copy_for_grey_images_with_its_own_loss_trains_and_predicts(shape
     source = original[:start] + GREY_LOSS + original[original.index("\n\n\n", start) + 1:]
     # Read every image as grey, even one saved as RGB.
     source = source.replace(
-        '    return 1 if mode in ("1", "L", "I", "I;16", "F") else 4 if mode in ("RGBA", "LA", "PA") '
-        'else 3', "    return 1")
+        '    return 1 if mode in ("1", "L", "I", "I;16", "F") else 4 if mode in '
+        '("RGBA", "LA", "PA") else 3', "    return 1")
     assert changed_lines(original, source) == GREY_CHANGED_LINES
     root = tmp_path / "grey"  # grey images, with one left in RGB, and 3 classes: 255 joins 170
     for folder in ("imgs", "masks"):
@@ -625,15 +632,16 @@ def test_a_unet_copy_for_grey_images_with_its_own_loss_trains_and_predicts(shape
         Image.open(path).convert("RGB" if i == 5 else "L").save(root / "imgs" / path.name)
     for path in (shapes / "masks").glob("*.png"):
         mask = np.asarray(Image.open(path))
-        Image.fromarray(np.where(mask == 255, 170, mask).astype(np.uint8)).save(root / "masks" / path.name)
+        merged = np.where(mask == 255, 170, mask).astype(np.uint8)
+        Image.fromarray(merged).save(root / "masks" / path.name)
     copy = REPO / "recipes" / f"my_grey_{tmp_path.name[-8:]}.py"
     copy.write_text(source)
     try:
-        res = launch([copy, "--dataset", root, *FAST, "--base_channels", 8, "--smoke", "--output_dir",
-                      tmp_path / "out"], launcher="python", env=ONE_THREAD)
+        res = launch([copy, "--dataset", root, *FAST, "--base_channels", 8, "--smoke",
+                      "--output_dir", tmp_path / "out"], launcher="python", env=ONE_THREAD)
         weights = tmp_path / "out" / "model.safetensors"
-        predicted = launch([copy, "--predict", shapes / "imgs" / "shape_0000.png", "--weights", weights,
-                            "--predict_dir", tmp_path / "masks"], launcher="python")
+        predicted = launch([copy, "--predict", shapes / "imgs" / "shape_0000.png", "--weights",
+                            weights, "--predict_dir", tmp_path / "masks"], launcher="python")
     finally:
         copy.unlink()
     assert_ok(res)
