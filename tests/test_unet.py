@@ -312,6 +312,70 @@ def test_weights_saved_with_one_key_per_setting_say_to_train_again(trained, shap
         f"longer reads: train the model again to save it anew"], res
 
 
+def recoloured(shapes, root, mode, count=None):
+    """A copy of the shapes (the first `count` pairs) with the images in PIL `mode`."""
+    for folder in ("imgs", "masks"):
+        (root / folder).mkdir(parents=True)
+        for path in sorted((shapes / folder).glob("*.png"))[:count]:
+            image = Image.open(path)
+            (image.convert(mode) if folder == "imgs" else image).save(root / folder / path.name)
+    return root
+
+
+@pytest.mark.slow
+def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(unet, shapes,
+                                                                              tmp_path):
+    grey = recoloured(shapes, tmp_path / "grey", "L")
+    res = launch([RECIPE, "--dataset", grey, "--output_dir", tmp_path / "out", "--smoke", *FAST],
+                 launcher="python", env=ONE_THREAD)
+    assert_ok(res)
+    assert "; L images; " in res.output, res
+    weights = tmp_path / "out" / "model.safetensors"
+    assert SegmentationWeights.read(weights).model["in_channels"] == 1
+    # Predict reads any image in the channels the weights were trained on.
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    Image.open(shapes / "imgs" / "shape_0000.png").save(inputs / "rgb.png")
+    Image.open(shapes / "imgs" / "shape_0001.png").convert("RGBA").save(inputs / "rgba.png")
+    assert_ok(launch([RECIPE, "--predict", f"{inputs}/*", "--weights", weights, "--predict_dir",
+                      tmp_path / "masks", "--overlay"], launcher="python", env=ONE_THREAD))
+    masks = {p.name for p in (tmp_path / "masks").glob("*_mask.png")}
+    assert masks == {"rgb_mask.png", "rgba_mask.png"}
+    # eval_only of these weights on RGB images: the model and the images take the stored 1 channel.
+    res = launch([RECIPE, "--dataset", shapes, "--output_dir", tmp_path / "eval", "--eval_only",
+                  "--weights", weights, *FAST], launcher="python", env=ONE_THREAD)
+    assert_ok(res)
+    assert "; L images; " in res.output, res
+    assert read_metrics(tmp_path / "eval")[0]["eval_samples"] == N_VAL
+    # RGBA images: 4 channels, read as such by the loaders.
+    from common.runtime import build_accelerator
+    from unet_data import load_data
+
+    cfg = unet.Config(dataset=str(recoloured(shapes, tmp_path / "rgba", "RGBA", 20)),
+                      val_fraction=0.2, cache_images="false", num_workers=0)
+    data = load_data(cfg, build_accelerator(), unet.input_channels)
+    x, _ = next(iter(data.train_loader))
+    assert data.in_channels == 4 and x.shape[1] == 4 and x.dtype == torch.uint8
+
+
+def test_images_of_different_channels_say_which_and_what_to_set(unet, shapes, tmp_path):
+    from common.runtime import build_accelerator
+    from unet_data import load_data
+
+    root = recoloured(shapes, tmp_path / "data", "RGB", 20)
+    grey = root / "imgs" / "shape_0007.png"
+    Image.open(grey).convert("L").save(grey)
+    cfg = unet.Config(dataset=str(root), val_fraction=0.2, num_workers=0)
+    message = (re.escape(f"images have different channels: {grey} is L (1), ")
+               + r"\S+ is RGB \(3\): convert them to one mode, or set --in_channels 3 to read all "
+               r"as RGB$")
+    with pytest.raises(DataError, match=message):
+        load_data(cfg, build_accelerator(), unet.input_channels)
+    # Set, in_channels reads them all alike.
+    data = load_data(replace(cfg, in_channels=3), build_accelerator(), unet.input_channels)
+    assert data.in_channels == 3 and next(iter(data.val_loader))[0].shape[1] == 3
+
+
 @pytest.mark.slow
 def test_weights_written_before_in_channels_was_stored_take_rgb(trained, shapes, tmp_path):
     from safetensors.torch import load_file, save_file
