@@ -458,6 +458,7 @@ def test_bad_settings_are_rejected(unet):
         (["--channels_last", "yes"], "channels_last must be auto, true or false, got 'yes'"),
         (["--cache_images", "1"], "cache_images must be auto, true or false, got '1'"),
         (["--num_workers", "-2"], "num_workers must be at least -1, got -2"),
+        (["--in_channels", "5"], "in_channels must be 0 (from the images), 1, 2, 3 or 4, got 5"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_config(unet.Config, args)
