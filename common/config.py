@@ -62,58 +62,36 @@ class ShowHelp(Exception):
 # turned "-" into "_", so --test-batch-size arrives here as test_batch_size.
 ALIASES = {
     # batch sizes
-    "test_batch_size": "eval_batch_size",
-    "val_batch_size": "eval_batch_size",
-    "valid_batch_size": "eval_batch_size",
-    "per_device_eval_batch_size": "eval_batch_size",
-    "train_batch_size": "batch_size",
-    "per_device_train_batch_size": "batch_size",
+    **dict.fromkeys(["test_batch_size", "val_batch_size", "valid_batch_size",
+                     "per_device_eval_batch_size"], "eval_batch_size"),
+    **dict.fromkeys(["train_batch_size", "per_device_train_batch_size"], "batch_size"),
     # length of training
-    "num_train_epochs": "epochs",
-    "num_epochs": "epochs",
-    "n_epochs": "epochs",
-    "max_epochs": "epochs",
-    "max_train_steps": "max_steps",
-    "num_train_steps": "max_steps",
-    "gradient_accumulation": "gradient_accumulation_steps",
-    "accumulate_grad_batches": "gradient_accumulation_steps",
+    **dict.fromkeys(["num_train_epochs", "num_epochs", "n_epochs", "max_epochs"], "epochs"),
+    **dict.fromkeys(["max_train_steps", "num_train_steps"], "max_steps"),
+    **dict.fromkeys(["gradient_accumulation", "accumulate_grad_batches"],
+                    "gradient_accumulation_steps"),
     # optimizer
     "learning_rate": "lr",
     "wd": "weight_decay",
-    "max_grad_norm": "grad_clip",
-    "gradient_clip_val": "grad_clip",
-    "clip_grad_norm": "grad_clip",
-    "lr_scheduler_type": "scheduler",
-    "lr_scheduler": "scheduler",
+    **dict.fromkeys(["max_grad_norm", "gradient_clip_val", "clip_grad_norm"], "grad_clip"),
+    **dict.fromkeys(["lr_scheduler_type", "lr_scheduler"], "scheduler"),
     # data
-    "dataset_name": "dataset",
-    "data_dir": "dataset",
+    **dict.fromkeys(["dataset_name", "data_dir"], "dataset"),
     "image_column_name": "image_column",
     "label_column_name": "label_column",
-    "workers": "num_workers",
-    "dataloader_num_workers": "num_workers",
+    **dict.fromkeys(["workers", "dataloader_num_workers"], "num_workers"),
     "classes": "num_classes",
     "validation": "val_fraction",
     # logging
-    "log_interval": "log_every",
-    "logging_steps": "log_every",
-    "print_freq": "log_every",
-    "log_freq": "log_every",
-    "report_to": "log_with",
-    "with_tracking": "log_with",
+    **dict.fromkeys(["log_interval", "logging_steps", "print_freq", "log_freq"], "log_every"),
+    **dict.fromkeys(["report_to", "with_tracking"], "log_with"),
     # checkpoints, output, modes
-    "save_steps": "checkpoint_every_steps",
-    "checkpointing_steps": "checkpoint_every_steps",
+    **dict.fromkeys(["save_steps", "checkpointing_steps"], "checkpoint_every_steps"),
     "save_total_limit": "keep_checkpoints",
     "resume_from_checkpoint": "resume",
-    "output": "output_dir",
-    "out_dir": "output_dir",
-    "save_dir": "output_dir",
-    "logging_dir": "output_dir",
-    "load": "weights",
-    "pretrained_weights": "weights",
-    "dry_run": "smoke",
-    "fast_dev_run": "smoke",
+    **dict.fromkeys(["output", "out_dir", "save_dir", "logging_dir"], "output_dir"),
+    **dict.fromkeys(["load", "pretrained_weights"], "weights"),
+    **dict.fromkeys(["dry_run", "fast_dev_run"], "smoke"),
     "evaluate": "eval_only",
     "ddp_timeout": "dist_timeout_s",
 }
@@ -122,13 +100,14 @@ ALIASES = {
 _NOT_SETTINGS = {
     "save_model": "not needed: the weights are always written, as output_dir/model.safetensors",
     **dict.fromkeys(["fp16", "bf16", "amp", "mixed_precision"],
-                    "precision comes from the accelerate config: accelerate launch --config_file FILE.yaml, "
-                    "or --mixed_precision bf16"),
-    **dict.fromkeys(["no_cuda", "no_accel", "no_mps", "cpu", "use_cpu", "gpu", "gpus", "device", "accel"],
-                    "devices come from the accelerate config: accelerate launch --config_file FILE.yaml, "
-                    "or --cpu for CPU only"),
-    **dict.fromkeys(["world_size", "rank", "local_rank", "dist_url", "dist_backend", "multiprocessing_distributed",
-                     "num_processes", "nproc_per_node"],
+                    "precision comes from the accelerate config: accelerate launch --config_file "
+                    "FILE.yaml, or --mixed_precision bf16"),
+    **dict.fromkeys(["no_cuda", "no_accel", "no_mps", "cpu", "use_cpu", "gpu", "gpus", "device",
+                     "accel"],
+                    "devices come from the accelerate config: accelerate launch --config_file "
+                    "FILE.yaml, or --cpu for CPU only"),
+    **dict.fromkeys(["world_size", "rank", "local_rank", "dist_url", "dist_backend",
+                     "multiprocessing_distributed", "num_processes", "nproc_per_node"],
                     "processes come from the launcher: accelerate launch --num_processes N, "
                     "or torchrun --nproc_per_node N"),
 }
@@ -205,7 +184,8 @@ def _split_argv(argv):
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"unexpected argument {arg!r}: settings are given as --name value or --name=value")
+            raise ConfigError(f"unexpected argument {arg!r}: settings are given as --name value or "
+                              f"--name=value")
         name = arg[2:]
         if "=" in name:
             name, value = name.split("=", 1)
@@ -233,7 +213,8 @@ def read_yaml(path):
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of field: value, not {type(data).__name__}")
+        raise ConfigError(f"config file {path} must hold a mapping of field: value, not "
+                          f"{type(data).__name__}")
     return data
 
 
@@ -251,7 +232,8 @@ def parse_config(cls, argv=None):
     def check_name(name, source):
         if name not in fields:
             hint = _hint(name, fields)
-            raise ConfigError(f"unknown setting {name!r} in {source}{hint}; valid settings: {', '.join(fields)}")
+            raise ConfigError(f"unknown setting {name!r} in {source}{hint}; valid settings: "
+                              f"{', '.join(fields)}")
 
     values = {}
     config_files = [v for n, v in pairs if n == "config"]
@@ -295,7 +277,8 @@ def _class_notes(klass):
         comments = {}  # line number -> (comment text, alone on its line)
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):
             if tok.type == tokenize.COMMENT:
-                comments[tok.start[0]] = (tok.string.lstrip("#").strip(), not tok.line[:tok.start[1]].strip())
+                alone = not tok.line[:tok.start[1]].strip()
+                comments[tok.start[0]] = (tok.string.lstrip("#").strip(), alone)
     except (OSError, TypeError, SyntaxError, IndexError, tokenize.TokenError):
         return "", {}
     if not isinstance(node, ast.ClassDef):
@@ -304,7 +287,8 @@ def _class_notes(klass):
     fields, section, previous_end = {}, None, node.lineno
     for stmt in node.body:
         start = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
-        above = [comments[n][0] for n in range(previous_end + 1, start) if comments.get(n, ("", False))[1]]
+        above = [comments[n][0] for n in range(previous_end + 1, start)
+                 if comments.get(n, ("", False))[1]]
         if above:
             section = " ".join(above)
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
@@ -331,9 +315,9 @@ def _show(value):
 
 
 def _script(cls):
-    """The source file of `cls` as one would type it: relative to the working directory if inside it."""
+    """The source file of `cls` as one would type it: relative to the working directory if in it."""
     try:
-        inspect.getsourcelines(cls)  # the file defines cls (make_dataclass's classes say module "types")
+        inspect.getsourcelines(cls)  # the file defines cls (make_dataclass's say module "types")
         path = os.path.abspath(inspect.getsourcefile(cls))
     except (OSError, TypeError):
         return "RECIPE.py"
@@ -350,7 +334,8 @@ def help_text(cls):
     notes = {k: _class_notes(k) for k in classes}
     lines = [
         f"usage: python {_script(cls)} [--config FILE.yaml] [--name value ...]",
-        "Settings: the defaults, then --config YAML, then the command line; machine settings: the accelerate config.",
+        "Settings: the defaults, then --config YAML, then the command line; machine settings: the "
+        "accelerate config.",
         "A BOOL alone (--smoke) means true; none clears a setting whose default is none.",
     ]
     shown = None
@@ -375,8 +360,9 @@ def help_text(cls):
         if not comment:
             lines.append(head)
         else:
-            lines += textwrap.wrap(_for_users(comment), _WIDTH, initial_indent=f"{head}  ", subsequent_indent=" " * 6,
-                                   break_long_words=False, break_on_hyphens=False)
+            lines += textwrap.wrap(_for_users(comment), _WIDTH, initial_indent=f"{head}  ",
+                                   subsequent_indent=" " * 6, break_long_words=False,
+                                   break_on_hyphens=False)
     return "\n".join(lines)
 
 
@@ -387,7 +373,7 @@ def require(condition, message):
 
 
 def require_at_least(cfg, minimum, *names):
-    """ConfigError "NAME must be at least MINIMUM, got VALUE" for the first field below `minimum`."""
+    """ConfigError "NAME must be at least MINIMUM, got VALUE" for the first field below it."""
     for name in names:
         value = getattr(cfg, name)
         require(value >= minimum, f"{name} must be at least {minimum}, got {value}")
@@ -409,35 +395,40 @@ class RunConfig:
     ema_decay: float = 0.0  # also keep a moving average of the weights, e.g. 0.999; 0: off
     early_stop_patience: int = 0  # stop after this many evaluations without a better metric; 0: off
     # Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume.
-    checkpoint_every_steps: int = 0  # also write one every N optimizer steps (0: only at epoch ends)
+    checkpoint_every_steps: int = 0  # also one every N optimizer steps (0: only at epoch ends)
     keep_checkpoints: int = 3  # delete older ones
-    resume: Optional[str] = None  # "latest" or a checkpoint folder (torchrun restarts: this job's last)
+    resume: Optional[str] = None  # "latest" or a checkpoint folder (torchrun restarts: the last)
     # Modes.
     smoke: bool = False  # train smoke_steps steps of one epoch, then evaluate: for tests and CI
     smoke_steps: int = 5
     eval_only: bool = False  # evaluate `weights` (or the `resume` checkpoint) and stop
     weights: Optional[str] = None  # model.safetensors (or a state_dict .pt) to start from
-    export: str = ""  # onnx: write `weights` as an .onnx file beside it, check it, stop (docs/export.md)
+    export: str = ""  # onnx: write `weights` as a checked .onnx file beside it (docs/export.md)
     # Logging: metrics.jsonl is always written; log_with also sends it to a tracker.
-    log_with: str = "none"  # none, tensorboard (requirements-extras.txt) or wandb (pip install wandb)
+    log_with: str = "none"  # none, tensorboard (requirements-extras.txt), wandb (pip install wandb)
     log_every: int = 50  # optimizer steps between logged training scalars
     dist_timeout_s: int = 600  # a rank stuck this long in a collective stops the job
     debug: bool = False  # show full tracebacks for user errors
 
     def validate(self):
         """The checks every recipe needs; a recipe's validate() calls this, then adds its own."""
-        require_at_least(self, 1, "epochs", "batch_size", "eval_batch_size", "gradient_accumulation_steps",
-                         "smoke_steps", "log_every", "keep_checkpoints")
+        require_at_least(self, 1, "epochs", "batch_size", "eval_batch_size",
+                         "gradient_accumulation_steps", "smoke_steps", "log_every",
+                         "keep_checkpoints")
         require_at_least(self, 0, "max_steps", "checkpoint_every_steps", "early_stop_patience")
-        require(0 <= self.ema_decay < 1, f"ema_decay must be in [0, 1), such as 0.999, got {self.ema_decay}")
-        lowest = -1 if type(self).num_workers == -1 else 0  # -1: a recipe that picks them from the CPUs
-        require(self.num_workers >= lowest, f"num_workers must be at least {lowest}, got {self.num_workers}")
+        require(0 <= self.ema_decay < 1,
+                f"ema_decay must be in [0, 1), such as 0.999, got {self.ema_decay}")
+        lowest = -1 if type(self).num_workers == -1 else 0  # -1: a recipe that picks them by CPUs
+        require(self.num_workers >= lowest,
+                f"num_workers must be at least {lowest}, got {self.num_workers}")
         require(self.lr > 0, f"lr must be positive, got {self.lr}")
-        require(not (self.weights and self.resume), "weights and resume both load a model: pass one of them")
+        require(not (self.weights and self.resume),
+                "weights and resume both load a model: pass one of them")
         require(not self.eval_only or self.weights or self.resume,
                 "eval_only needs --weights FILE or --resume CHECKPOINT")
         require(self.export in ("", "onnx"), f"export must be onnx, got {self.export!r}")
-        require(not self.export or self.weights, "export needs weights: add --weights PATH/model.safetensors")
+        require(not self.export or self.weights,
+                "export needs weights: add --weights PATH/model.safetensors")
         require(not (self.export and self.eval_only), "choose one of export and eval_only")
         require(not self.export or not self.weights.endswith(".onnx"),
                 "export reads the weights the .onnx file was made from: pass the .safetensors")

@@ -7,6 +7,7 @@
     labels = class_labels(splits["train"], "label", 10, "train split")   # int64, checked
     x, y = cached_tensors(splits["train"], ["image", "label"], decode)  # decode() once, then a file
     require_one_batch_per_process(len(train_set), batch_size, accelerator, "the train split")
+    workers = worker_count(-1, accelerator.num_processes)  # DataLoader workers: 1 a core, <= 8
     TensorBatches(images, labels)       # a TensorDataset read a whole batch at a time
     x = random_shift(x, 2)              # augmentation: each image moved by up to 2 pixels
 
@@ -56,7 +57,8 @@ def looks_like_path(name):
 
 def unreadable_image(what, e, kind="image"):
     """The DataError for an image (file or row `what`) that PIL cannot open or decode (error e)."""
-    reason = "not an image file PIL can read" if isinstance(e, UnidentifiedImageError) else _first_line(e)
+    unknown = isinstance(e, UnidentifiedImageError)
+    reason = "not an image file PIL can read" if unknown else _first_line(e)
     return DataError(f"cannot read {kind} {what} ({reason}): fix or remove the file")
 
 
@@ -80,7 +82,8 @@ def load_splits(name, splits, columns, hint=None):
     if local.exists():
         source = str(local)
     elif looks_like_path(name):
-        raise DataError(f"dataset path {name} does not exist: check --dataset" + (f"; {hint}" if hint else ""))
+        raise DataError(f"dataset path {name} does not exist: check --dataset"
+                        + (f"; {hint}" if hint else ""))
     else:
         source = name
         if not _hub_reachable():
@@ -103,10 +106,11 @@ def load_splits(name, splits, columns, hint=None):
         if local.exists():
             raise DataError(f"could not read dataset folder {name}: {e}") from None
         raise DataError(
-            f"could not load {name!r}: no folder of that name here, and not from the Hugging Face Hub "
-            f"({type(e).__name__}; no internet?): point --dataset at a local folder"
-            + (f": {hint}" if hint else f" that datasets.load_dataset reads, such as parquet files "
-               f"{' and '.join(s + '*.parquet' for s in splits)} with columns {' and '.join(columns)}")
+            f"could not load {name!r}: no folder of that name here, and not from the Hugging Face "
+            f"Hub ({type(e).__name__}; no internet?): point --dataset at a local folder"
+            + (f": {hint}" if hint else f" that datasets.load_dataset reads, such as parquet "
+               f"files {' and '.join(s + '*.parquet' for s in splits)} with columns "
+               f"{' and '.join(columns)}")
         ) from None
     except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException) as e:
         # A data file that does not read. datasets raises pyarrow's error if it is the first file
@@ -114,13 +118,14 @@ def load_splits(name, splits, columns, hint=None):
         bad = _unreadable_parquet(local) if local.exists() else None
         if bad:
             path, reason = bad
-            raise DataError(f"cannot read {path} ({reason}): it is truncated or not a parquet file; "
-                            f"write it again, or remove it from {name}") from None
+            raise DataError(f"cannot read {path} ({reason}): it is truncated or not a parquet "
+                            f"file; write it again, or remove it from {name}") from None
         raise DataError(f"could not read dataset {name}: {_first_line(e.__cause__ or e)}") from None
     except (FileNotFoundError, ValueError) as e:  # no data files, unknown format, empty folder
         first = _first_line(e)
         if "corresponds to no data" in first:  # datasets' words for a split with no rows
-            raise DataError(f"dataset {name} has an empty split ({first}): add samples to it") from None
+            raise DataError(f"dataset {name} has an empty split ({first}): add samples to "
+                            f"it") from None
         raise DataError(f"could not read dataset {name}: {first}") from None
     finally:
         datasets.logging.set_verbosity_error()
@@ -164,7 +169,7 @@ def _unreadable_parquet(local):
                 for i in range(file.num_row_groups if whole else 0):
                     file.read_row_group(i)
             except (pyarrow.ArrowException, OSError) as e:
-                return path, _first_line(e).split(". ")[0]  # not its "Either the file is corrupted..."
+                return path, _first_line(e).split(". ")[0]  # not "Either the file is corrupted..."
     return None
 
 
@@ -179,7 +184,8 @@ def decode_images(split, column, where):
 
     feature = split.features[column]
     if not isinstance(feature, datasets.Image):
-        raise DataError(f"{where}'s column {column!r} holds {feature}, not images: check the image column")
+        raise DataError(f"{where}'s column {column!r} holds {feature}, not images: check the "
+                        f"image column")
     raw = split.select_columns([column]).cast_column(column, datasets.Image(decode=False))[column]
     decode = datasets.Image(mode=feature.mode).decode_example
     images = []
@@ -218,12 +224,13 @@ def cached_tensors(split, key, make, enabled=True):
     if path.exists():
         try:
             with safe_open(path, "pt") as file:
-                if file.metadata() == {"key": name}:  # else another key, same name: as good as never
+                if file.metadata() == {"key": name}:  # else another key of that name: as if none
                     return tuple(file.get_tensor(str(i)) for i in range(len(file.keys())))
             problem = "made for other data"
         except (OSError, SafetensorError) as e:  # truncated or damaged
             problem = _first_line(e)
-        print(f"warning: cannot read cache file {path} ({problem}): writing it again", file=sys.stderr)
+        print(f"warning: cannot read cache file {path} ({problem}): writing it again",
+              file=sys.stderr)
     tensors = make()
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # unique: ranks write at once
     try:
@@ -232,8 +239,8 @@ def cached_tensors(split, key, make, enabled=True):
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:  # a full disk or a read-only cache: run on without
         tmp.unlink(missing_ok=True)
-        print(f"warning: cannot write cache file {path} ({_first_line(e)}): decoding again next run",
-              file=sys.stderr)
+        print(f"warning: cannot write cache file {path} ({_first_line(e)}): decoding again next "
+              f"run", file=sys.stderr)
     return tensors
 
 
@@ -243,6 +250,27 @@ def require_one_batch_per_process(samples, batch_size, accelerator, what):
     if samples < batch_size * accelerator.num_processes:
         raise DataError(f"{what} has {samples} samples, fewer than one batch for each process "
                         f"({batch_size} x {accelerator.num_processes} processes): lower batch_size")
+
+
+def cpus_per_process(processes):
+    """The CPU cores this process may use, shared out between the processes of this machine
+    (LOCAL_WORLD_SIZE, set by torchrun and accelerate launch; else all `processes`)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", processes)))
+
+
+def worker_count(num_workers, processes):
+    """num_workers; -1: a worker per CPU core of this process's share, less one for the process
+    itself, at most 8 (an H100 machine's 16 cores: 8 workers gave 1.7x over 2, 14 no more)."""
+    return num_workers if num_workers >= 0 else min(8, max(1, cpus_per_process(processes) - 1))
+
+
+def to_device(tensor, device):
+    """A CPU tensor on `device`; to a GPU from pinned memory, so that the copy does not wait for
+    the GPU's queued work."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def random_shift(images, pixels):
@@ -259,6 +287,58 @@ def random_shift(images, pixels):
     padded = torch.nn.functional.pad(images, [pixels] * 4)
     batch = torch.arange(n, device=images.device).view(n, 1, 1)
     return padded[batch, :, rows, cols].permute(0, 3, 1, 2)  # [N, H, W, C] -> [N, C, H, W]
+
+
+def open_image(path, kind="image"):
+    """Image.open(path): the header is read, the pixels when first used. A DataError naming the
+    file if PIL cannot open it."""
+    try:
+        return Image.open(path)
+    except IMAGE_ERRORS as e:
+        raise unreadable_image(path, e, kind) from None
+
+
+def crop_and_flip(images, masks, rand, crop=0, hflip=0.0, vflip=0.0):
+    """The same crop and flips for each image of a batch and its mask, per sample, on the batch's
+    device: a crop x crop window at a random place (rand[n, 0] and rand[n, 1]; crop 0: the
+    whole image), flipped left to right if rand[n, 2] < hflip and upside down if rand[n, 3] <
+    vflip. images [N, C, H, W], masks [N, H, W]. The windows are views; one copy stacks them."""
+    if not (crop or hflip or vflip):
+        return images, masks
+    height, width = images.shape[-2:]
+    h, w = crop or height, crop or width
+    out = []
+    for image, mask, (row, col, left_right, up_down, *_) in zip(images, masks, rand.tolist()):
+        top = min(int(row * (height - h + 1)), height - h)
+        left = min(int(col * (width - w + 1)), width - w)
+        image, mask = image[:, top : top + h, left : left + w], mask[top : top + h, left : left + w]
+        flips = [dim for dim, p, u in ((-1, hflip, left_right), (-2, vflip, up_down)) if u < p]
+        out.append((image.flip(flips), mask.flip(flips)) if flips else (image, mask))
+    return torch.stack([image for image, _ in out]), torch.stack([mask for _, mask in out])
+
+
+def pad_to(tensor, height, width, value):
+    """[..., h, w] -> [..., height, width], filled with `value` at the bottom and right."""
+    padding = (0, width - tensor.shape[-1], 0, height - tensor.shape[-2])
+    return torch.nn.functional.pad(tensor, padding, value=value)
+
+
+class TableRows:
+    """The rows of a datasets.Dataset as (*columns, name), decoded when read; a row that does
+    not decode stops with a DataError naming it and `what` it holds."""
+
+    def __init__(self, ds, columns, where, what="image"):
+        self.ds, self.columns, self.where, self.what = ds, columns, where, what
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        try:
+            row = self.ds[i]  # decodes the images
+        except IMAGE_ERRORS as e:
+            raise unreadable_image(f"{self.where} row {i}", e, self.what) from None
+        return (*(row[c] for c in self.columns), f"{self.where} row {i}")
 
 
 class TensorBatches(TensorDataset):
@@ -278,8 +358,8 @@ def class_labels(split, column, num_classes, where):
     DataError naming the column's type or the label out of range."""
     labels = split.select_columns([column]).with_format("numpy")[:][column]
     if labels.dtype.kind not in "iu":
-        raise DataError(f"{where}'s column {column!r} holds {split.features[column]}, not class indices: "
-                        f"map the labels to integers 0..{num_classes - 1}")
+        raise DataError(f"{where}'s column {column!r} holds {split.features[column]}, not class "
+                        f"indices: map the labels to integers 0..{num_classes - 1}")
     labels = torch.from_numpy(labels).long()
     if labels.min() < 0 or labels.max() >= num_classes:
         bad = int(labels.max() if labels.max() >= num_classes else labels.min())

@@ -101,11 +101,12 @@ def check_onnx(model, path, inputs):
     return worst
 
 
-def export_onnx(accelerator, model, inputs, weights, metadata, dynamic):
+def export_onnx(accelerator, model, inputs, weights, metadata, dynamic, what=""):
     """Write the weights file `weights` as an .onnx file of the same name beside it, whose
     metadata_props carry the weights file's metadata and `metadata`. Before it takes its name,
     onnxruntime must give PyTorch's logits on each batch of `inputs` (real data; batches of other
-    sizes along the `dynamic` axes check that they take any size, see write_onnx)."""
+    sizes along the `dynamic` axes check that they take any size, see write_onnx). `what`: a few
+    words on where the inputs come from, for the report line."""
     if accelerator.num_processes > 1:
         raise UserError("export runs on one process: start it with python, not a multi-process "
                         "launch")
@@ -122,5 +123,5 @@ def export_onnx(accelerator, model, inputs, weights, metadata, dynamic):
         tmp.unlink(missing_ok=True)
     sizes = ", ".join("x".join(map(str, x.shape)) for x in inputs)
     accelerator.print(f"wrote {path}: onnxruntime's logits are within {worst:.1e} of PyTorch's "
-                      f"(max abs, fp32) on inputs of {sizes}")
+                      f"(max abs, fp32) on inputs of {sizes}{f' ({what})' if what else ''}")
     return path

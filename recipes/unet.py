@@ -6,7 +6,7 @@
 
 The accelerate config picks CPU, GPUs and fp16/bf16. Settings: the Config fields below and those
 it inherits, by `--config run.yaml` and `--field value`. Copy this file to start your own
-recipe; `# ADAPT:` marks what to change. Data, loss, Dice and predict: common/segmentation.py.
+recipe; `# ADAPT:` marks what to change. Data: unet_data.py; predict: unet_predict.py.
 """
 
 import math
@@ -18,12 +18,14 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import torch
+import torch.nn.functional as F
 from accelerate.utils import broadcast, set_seed
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 from tqdm.auto import tqdm
 
 from common.checkpoint import load_checkpoint, load_weights, save_checkpoint, save_weights
 from common.config import require, require_at_least
+from common.data import crop_and_flip
 from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import export_onnx
@@ -31,18 +33,16 @@ from common.progress import Progress
 from common.runtime import build_accelerator, close, describe, open_run, run, start_logging
 from common.runtime import sync_batchnorm, tracker
 from common.schedule import fit_cosine
-from common.segmentation import (
-    SegmentationConfig, SegmentationWeights, crop_and_flip, dice_counts, fit_to_weights,
-    image_panel, load_data, load_model, loss_per_image, predict, require_same_classes,
-    sample_images, segment,
-)
-from unet_model import UNet  # ADAPT: your model
+from unet_data import IGNORE, MODES, load_data, value_count
+from unet_model import MIN_SIZE, UNet  # ADAPT: your model
+from unet_predict import PredictConfig, SegmentationWeights, fit_to_weights, image_panel, load_model
+from unet_predict import predict, predicted_classes, require_same_classes, sample_images, segment
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
 
 
 @dataclass
-class Config(SegmentationConfig):  # + the data, class and predict settings it inherits
+class Config(PredictConfig):  # + the data, class and predict settings it inherits
     # Data. ADAPT: a folder with imgs/ and masks/ (imgs/NAME.jpg with masks/NAME.png or
     # masks/NAME_mask.gif, as Carvana), or a hub name / folder that datasets.load_dataset reads.
     dataset: str = "data/shapes"  # `make data/shapes` writes it (scripts/make_shapes.py)
@@ -79,8 +79,8 @@ class Config(SegmentationConfig):  # + the data, class and predict settings it i
         require(self.channels_last in ("auto", "true", "false"),
                 f"channels_last must be auto, true or false, got {self.channels_last!r}")
         for name in ("image_size", "crop_size"):
-            require(getattr(self, name) == 0 or getattr(self, name) >= 32,
-                    f"{name} must be 0 or at least 32: the U-Net halves the image 4 times")
+            require(getattr(self, name) == 0 or getattr(self, name) >= MIN_SIZE,
+                    f"{name} must be 0 or at least {MIN_SIZE}: the U-Net halves the image 4 times")
         require(not self.image_size or self.crop_size <= self.image_size,
                 "crop_size cannot exceed image_size")
         require(not self.bucket_by_size or not (self.image_size or self.crop_size),
@@ -90,23 +90,55 @@ class Config(SegmentationConfig):  # + the data, class and predict settings it i
 
 
 # ADAPT: your model: the Config fields that build it, stored in the weights file for predict.
-MODEL_SETTINGS = ("num_classes", "base_channels", "bilinear")
+MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels", "bilinear")
 
 
 def build_model(settings):
     return UNet(**settings)
 
 
-# ADAPT: your augmentation of a training batch, where it is (the GPU, if the images are cached
-# there): uint8 images [N, 3, H, W] and class masks [N, H, W], changed alike. rand [N, 8]: each
-# sample's own uniform numbers, seeded by (seed, epoch, sample), so that a resume is exact.
-def augment(images, masks, rand, cfg):
-    return crop_and_flip(images, masks, rand, cfg.crop_size, cfg.hflip, cfg.vflip)
+# ADAPT: your input. input_channels: the model's for images of a PIL mode (grey 1, RGBA 4, else
+# RGB's 3); prepare_input: a uint8 batch [N, C, H, W] as floats (training, predict and export).
+def input_channels(mode):
+    return 1 if mode in ("1", "L", "I", "I;16", "F") else 4 if mode in ("RGBA", "LA", "PA") else 3
 
 
 def prepare_input(x, cfg):
     x = x.float() / 255
     return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last == "true" else x
+
+
+# ADAPT: your augmentation of a training batch, where it is (the GPU if cached): uint8 images
+# [N, C, H, W] and masks [N, H, W] alike. rand [N, 8]: per sample, seeded by (seed, epoch, sample).
+def augment(images, masks, rand, cfg):
+    return crop_and_flip(images, masks, rand, cfg.crop_size, cfg.hflip, cfg.vflip)
+
+
+# ADAPT: your loss. Padded pixels (IGNORE, bucket_by_size) must count for nothing.
+def loss_per_image(logits, target, num_classes):
+    """Cross-entropy (BCE for 1 class) + soft Dice loss over all classes, per image, in fp32."""
+    logits, valid = logits.float(), (target != IGNORE).float()
+    pixels, target = valid.sum((1, 2)).clamp(min=1), target.clamp(min=0)
+    if num_classes == 1:
+        logits, target = logits[:, 0], target.float()
+        ce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+        probs, onehot = logits.sigmoid()[:, None], target[:, None]
+    else:
+        ce = F.cross_entropy(logits, target, reduction="none")
+        probs, onehot = logits.softmax(1), F.one_hot(target, num_classes).permute(0, 3, 1, 2)
+    probs, onehot = probs * valid[:, None], onehot * valid[:, None]
+    inter, total = (probs * onehot).sum((2, 3)), (probs + onehot).sum((2, 3))
+    dice = (2 * inter + 1) / (total + 1)  # +1: a class absent from both scores 1
+    return (ce * valid).sum((1, 2)) / pixels + 1 - dice.mean(1)
+
+
+# ADAPT: your metric. Per image and foreground class: |pred & true| and |pred| + |true|, of hard
+# predictions; padded pixels (IGNORE) are in neither. evaluate() makes the mean Dice of them.
+def dice_counts(logits, target, num_classes):
+    pred = torch.where(target == IGNORE, 0, predicted_classes(logits, num_classes))
+    classes = torch.arange(1, value_count(num_classes), device=pred.device)[:, None, None]
+    pred, true = pred[:, None] == classes, target[:, None] == classes  # [N, classes, H, W]
+    return (pred & true).sum((2, 3)), pred.sum((2, 3)) + true.sum((2, 3))
 
 
 def make_optimizer(model, lr, cfg, accelerator):
@@ -137,8 +169,7 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
     main_process = accelerator.is_main_process
     for x, y in tqdm(loader, f"epoch {progress.epoch}", disable=not main_process, leave=False):
         with accelerator.accumulate(model):
-            logits = model(prepare_input(x, cfg))
-            loss = loss_per_image(logits, y, cfg.num_classes).mean()  # ADAPT: your loss
+            loss = loss_per_image(model(prepare_input(x, cfg)), y, cfg.num_classes).mean()
             accelerator.backward(progress.weighted(loss))  # a short last group weighs more
             if cfg.grad_clip and accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -166,8 +197,7 @@ def evaluate(model, loader, accelerator, cfg, flips, panels=False):
     prepared loader pads the last batch and gather_for_metrics drops the padding. A bucketed one
     pads nothing, so ranks may get different numbers of batches: nothing may wait on other ranks
     per batch (the unwrapped model, as DDP syncs buffers in forward), and one reduce ends the
-    loop. `panels`: also return image | prediction | truth of a few images, for the tracker.
-    `flips`: those of the model's training, for predict_flip (segment() runs the model)."""
+    loop. `panels`: image | prediction | truth of a few images too. `flips`: see segment()."""
     bucketed = cfg.bucket_by_size
     # keep_torch_compile=False: the default takes DDP out of a compiled model (Accelerate 1.15).
     net = accelerator.unwrap_model(model, keep_torch_compile=False) if bucketed else model
@@ -210,14 +240,14 @@ def main(cfg):
     set_seed(cfg.seed)
     # No cudnn.benchmark with bucket_by_size: it would time every new (batch, height, width).
     set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)
-    if cfg.predict:  # a mode of its own: masks for new images (common/segmentation.py)
-        predict(cfg, accelerator, build_model)
-        close(accelerator)
-        return
-    if cfg.export:  # a mode of its own: an .onnx file beside the weights (common/export.py)
-        model, weights = load_model(cfg, build_model)
-        export_onnx(accelerator, model, sample_images(cfg, weights), cfg.weights, {"recipe": NAME},
-                    {0: "batch", 2: "height", 3: "width"})  # any batch and image size
+    if cfg.predict or cfg.export:  # modes of their own: no training, no run folder
+        if cfg.predict:  # unet_predict.py
+            predict(cfg, accelerator, build_model, partial(prepare_input, cfg=cfg))
+        else:  # common/export.py, checked on validation images, else on random pixels
+            model, weights = load_model(cfg, build_model)
+            images, what = sample_images(cfg, weights)
+            export_onnx(accelerator, model, [prepare_input(x, cfg) for x in images], cfg.weights,
+                        {"recipe": NAME}, {0: "batch", 2: "height", 3: "width"}, what)  # any size
         close(accelerator)
         return
     out, checkpoint = open_run(accelerator, cfg)
@@ -227,8 +257,9 @@ def main(cfg):
     cfg = fit_to_weights(cfg, weights, MODEL_SETTINGS)
     trained_flips = "h" * (cfg.hflip > 0) + "v" * (cfg.vflip > 0)  # what predict_flip may flip
     flips = weights.flips if weights and cfg.eval_only else trained_flips
-    data = load_data(cfg, accelerator, partial(augment, cfg=cfg), weights)
-    cfg = replace(cfg, num_classes=data.num_classes, max_batch_pixels=data.max_batch_pixels)
+    data = load_data(cfg, accelerator, input_channels, partial(augment, cfg=cfg), weights)
+    cfg = replace(cfg, num_classes=data.num_classes, in_channels=data.in_channels,
+                  max_batch_pixels=data.max_batch_pixels)
     train_loader, val_loader = data.train_loader, data.val_loader
     metrics = start_logging(accelerator, cfg, NAME)
 
@@ -251,29 +282,24 @@ def main(cfg):
         model, optimizer, train_loader, val_loader = accelerator.prepare(
             model, optimizer, train_loader, val_loader)
     ema = EMA.of(model, accelerator, cfg.ema_decay)  # the weights' moving average; None if 0
-    if cfg.scheduler == "cosine":  # fit_cosine() sets its length once a resume says where we are
-        scheduler = CosineAnnealingLR(optimizer, T_max=1)
-    else:
-        scheduler = ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5)
-    fused = "fused " if optimizer.defaults["fused"] else ""
-    adamw = f"{fused}AdamW lr {optimizer.defaults['lr']:g}"
-    accelerator.print(f"{NAME}: {describe(accelerator, data.batch)}; {adamw}; {norm}; {channels}; "
-                      f"{data}; outputs to {out}/")
+    scheduler = (CosineAnnealingLR(optimizer, T_max=1) if cfg.scheduler == "cosine"
+                 else ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5))  # T_max: below
+    adamw = f"{'fused ' * bool(optimizer.defaults['fused'])}AdamW lr {optimizer.defaults['lr']:g}"
+    accelerator.print(f"{NAME}: {describe(accelerator, data.batch)}; {MODES[cfg.in_channels]} "
+                      f"images; {adamw}; {norm}; {channels}; {data}; outputs to {out}/")
 
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
-    # `best` and early stopping follow the average's Dice when there is one.
-    progress = Progress(accelerator, cfg, metric="ema_dice" if ema else "dice")
+    progress = Progress(accelerator, cfg, metric="ema_dice" if ema else "dice")  # best: EMA's too
     if checkpoint:  # eval_only reads any checkpoint; training on needs the same data order
         order = None if cfg.eval_only else {k: getattr(cfg, k) for k in DATA_ORDER}
         state = load_checkpoint(accelerator, checkpoint, NAME, order, {"ema_decay": cfg.ema_decay})
         require_same_classes(state, data.values, checkpoint)
         scheduler.load_state_dict(state["scheduler"])
         progress.load(state)
-    if cfg.scheduler == "cosine":
+    if cfg.scheduler == "cosine":  # its length, now that a resume has said where the run is
         steps_per_epoch = math.ceil(len(train_loader) / cfg.gradient_accumulation_steps)
         fit_cosine(scheduler, cfg, progress, steps_per_epoch)
-    # What predict needs to rebuild the model and write masks, inside the weights file.
-    stored = SegmentationWeights(settings, data.values, data.input_size, flips)
+    stored = SegmentationWeights(settings, data.values, data.input_size, flips)  # for predict
     stored = stored.metadata(recipe=NAME)
 
     # 5. Train, evaluating after every epoch.

@@ -5,6 +5,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# The U-Net halves an image 4 times on its way down: an input side that is a multiple of 2**4
+# comes back up at its own size, so padded batches and predict's tiles keep to this grid.
+PAD_MULTIPLE = 16
+MIN_SIZE = 32  # the smallest input side that training, crops and tiles accept
+
 
 def double_conv(cin, cout, mid=None):
     mid = mid or cout

@@ -1,12 +1,12 @@
 """How close a recipe's training loop runs to the compute bound, and to the classic tutorial loop.
 
-    python scripts/bench.py                                  # MNIST on data/mnist_sample, CPU or first GPU
+    python scripts/bench.py                          # MNIST on data/mnist_sample, CPU or first GPU
     python scripts/bench.py --reps 7 --json runs/bench/cpu.json
-    python scripts/bench.py --dataset ylecun/mnist --steps 300   # full MNIST (hub or its local cache)
-    python scripts/bench.py --recipe unet                    # U-Net on data/shapes: about 6 minutes on 2 CPU cores
+    python scripts/bench.py --dataset ylecun/mnist --steps 300   # full MNIST (hub or local cache)
+    python scripts/bench.py --recipe unet            # U-Net on data/shapes: 6 minutes, 2 CPU cores
     python scripts/bench.py --recipe unet --also channels_last compile   # and the recipe with these
-    python scripts/bench.py --recipe unet --dataset DIR --image_size 256 --batch_size 32   # a realistic size
-    python scripts/bench.py --recipe unet --loader "" "--num_workers 4"  # the data path alone, no model
+    python scripts/bench.py --recipe unet --dataset DIR --image_size 256 --batch_size 32  # real
+    python scripts/bench.py --recipe unet --loader "" "--num_workers 4"  # the data path, no model
     accelerate launch --config_file accelerate_configs/bf16.yaml --num_processes 1 scripts/bench.py
 
 One process trains the same model (the recipe's own class, optimizer settings, batch size and
@@ -79,7 +79,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "recipes")]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -94,7 +94,8 @@ from common.config import UserError, parse_config  # noqa: E402
 from common.determinism import set_deterministic  # noqa: E402
 from common.metrics import peak_memory_mb  # noqa: E402
 from common.progress import Progress  # noqa: E402
-from common.segmentation import load_data, loss_per_image, open_sources, worker_count  # noqa: E402
+from common.data import worker_count  # noqa: E402
+from unet_data import load_data, open_sources  # noqa: E402
 from common.runtime import build_accelerator, close  # noqa: E402
 from recipe_module import load_recipe  # noqa: E402  (tests/recipe_module.py)
 
@@ -123,7 +124,8 @@ def last_batches(train_loader, steps, dataset):
     epoch_steps = len(train_loader)
     steps = steps or epoch_steps
     if steps > epoch_steps:
-        raise SystemExit(f"error: --steps {steps} is more than one epoch ({epoch_steps} steps) of {dataset}")
+        raise SystemExit(f"error: --steps {steps} is more than one epoch ({epoch_steps} steps) of "
+                         f"{dataset}")
     samples, batch_size = len(train_loader.dataset), train_loader.batch_size
     sizes = [batch_size] * epoch_steps
     sizes[-1] = samples - batch_size * (epoch_steps - 1)
@@ -161,7 +163,7 @@ def recipe_rep(accelerator, loader, progress, epoch_steps, sizes, train_epoch):
         skip = epoch_steps - len(sizes)
         progress.batches_done = skip
         train = train_epoch(accelerator.skip_first_batches(loader, skip) if skip else loader)
-        if progress.interrupted:  # Ctrl-C: train_one_epoch stopped (and wrote a checkpoint to the scratch dir)
+        if progress.interrupted:  # Ctrl-C: train_one_epoch stopped (and checkpointed to scratch)
             raise KeyboardInterrupt
         progress.epoch += 1
         rep.peak_mb = train["peak_memory_mb"]
@@ -194,7 +196,8 @@ class ClassicMNIST(Dataset):
 
     def __init__(self, images, labels):
         self.images, self.labels = images, labels  # uint8 [N, 28, 28], int64 [N]
-        self.transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))])
+        self.transform = transforms.Compose([transforms.ToTensor(),
+                                             transforms.Normalize((0.1307,), (0.3081,))])
 
     def __len__(self):
         return len(self.labels)
@@ -208,9 +211,10 @@ def bench_mnist(args, accelerator):
     variant and returns rep(): train one repetition and return the number of samples."""
     mnist = load_recipe("mnist")
     device = accelerator.device
-    cfg = mnist.Config(dataset=args.dataset, output_dir=args.workdir, max_steps=0, checkpoint_every_steps=0)
+    cfg = mnist.Config(dataset=args.dataset, output_dir=args.workdir, max_steps=0,
+                       checkpoint_every_steps=0)
     cfg.validate()
-    # The recipe's own data path, where main() puts it: on the GPU with data_on_device (the default).
+    # The recipe's own data path, where main() puts it: on the GPU with data_on_device (default).
     train_loader, _ = mnist.make_loaders(cfg, device)
     train_set = train_loader.dataset
     images, labels = (t.cpu() for t in train_set.tensors)  # uint8 [N, 1, 28, 28], int64 [N]
@@ -229,8 +233,11 @@ def bench_mnist(args, accelerator):
         model, optimizer, loader = accelerator.prepare(model, optimizer, train_loader)
         progress = Progress(accelerator, cfg, metric="accuracy")
 
-        return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, lambda epoch_loader: mnist.train_one_epoch(
-            model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress, None))
+        def train_epoch(epoch_loader):
+            return mnist.train_one_epoch(model, epoch_loader, optimizer, scheduler, accelerator,
+                                         cfg, progress, None)
+
+        return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, train_epoch)
 
     def setup_bound():
         model, optimizer = new_model()
@@ -241,16 +248,19 @@ def bench_mnist(args, accelerator):
             idx = order[start:start + n]
             start += n
             batches.append((mnist.normalize(images[idx]).to(device), labels[idx].to(device)))
-        return bound_rep(model, batches, lambda x, y: bound_step(accelerator, model, optimizer, x, y))
+        return bound_rep(model, batches,
+                         lambda x, y: bound_step(accelerator, model, optimizer, x, y))
 
     def setup_classic(workers):
         def setup():
             model, optimizer = new_model()
             model, optimizer = accelerator.prepare(model, optimizer)
             dataset = ClassicMNIST(images[:, 0].numpy(), labels.numpy())
-            loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, num_workers=workers)
+            loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True,
+                                num_workers=workers)
 
-            return classic_rep(model, loader, steps, device, lambda x, y: bound_step(accelerator, model, optimizer, x, y))
+            return classic_rep(model, loader, steps, device,
+                               lambda x, y: bound_step(accelerator, model, optimizer, x, y))
 
         return setup
 
@@ -262,8 +272,8 @@ def bench_mnist(args, accelerator):
         "samples_per_rep": sum(sizes),
         "model": "BasicNet",
         "optimizer": f"Adadelta(lr={cfg.lr})",
-        "recipe_loop": f"recipes/mnist.py make_loaders + train_one_epoch (num_workers {cfg.num_workers}, "
-                       f"data_on_device {cfg.data_on_device})",
+        "recipe_loop": f"recipes/mnist.py make_loaders + train_one_epoch (num_workers "
+                       f"{cfg.num_workers}, data_on_device {cfg.data_on_device})",
         "startup_cmd": [sys.executable, "recipes/mnist.py", "--dataset", cfg.dataset, "--smoke",
                         "--smoke_steps", "1"],
         "startup_marker": "mnist: ",  # main() prints this line after data, model and prepare()
@@ -292,7 +302,8 @@ class ClassicSegmentation(Dataset):
     in a loop over the values), then make tensors. Like it, no augmentation."""
 
     def __init__(self, pairs, values):
-        self.pairs, self.values = pairs, values  # [(image path, mask path, name)], mask value of each class
+        self.pairs = pairs  # [(image path, mask path, name)]
+        self.values = values  # the mask value of each class
 
     def __len__(self):
         return len(self.pairs)
@@ -304,28 +315,31 @@ class ClassicSegmentation(Dataset):
         mask = np.zeros(values.shape, dtype=np.int64)
         for c, v in enumerate(self.values):
             mask[values == v] = c
-        return torch.as_tensor(img.copy()).float().contiguous(), torch.as_tensor(mask.copy()).long().contiguous()
+        return (torch.as_tensor(img.copy()).float().contiguous(),
+                torch.as_tensor(mask.copy()).long().contiguous())
 
 
 def bench_unet(args, accelerator):
     """Set up the U-Net variants, as bench_mnist does."""
     unet = load_recipe("unet")
     device = accelerator.device
-    sizes = {k: getattr(args, k) for k in ("image_size", "batch_size") if getattr(args, k) is not None}
-    cfg = unet.Config(dataset=args.dataset, output_dir=args.workdir, max_steps=0, checkpoint_every_steps=0,
-                      **sizes)
+    sizes = {k: getattr(args, k) for k in ("image_size", "batch_size")
+             if getattr(args, k) is not None}
+    cfg = unet.Config(dataset=args.dataset, output_dir=args.workdir, max_steps=0,
+                      checkpoint_every_steps=0, **sizes)
     try:
         cfg.validate()
-    except UserError as e:  # --image_size or --batch_size out of range: one line, as the recipe says it
+    except UserError as e:  # --image_size or --batch_size out of range: one line, as the recipe's
         raise SystemExit(f"error: {e}") from None
-    set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)  # as main(): cudnn.benchmark
-    cfg = dataclasses.replace(cfg, channels_last=str(device.type == "cuda").lower())  # as main() reads auto
+    set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)  # as main() does
+    cfg = dataclasses.replace(cfg, channels_last=str(device.type == "cuda").lower())  # main's auto
     if not (Path(cfg.dataset) / "imgs").is_dir():
-        raise SystemExit(f"error: the U-Net bench needs a folder with imgs/ and masks/ (the classic loop opens "
-                         f"the files), not {cfg.dataset}")
+        raise SystemExit(f"error: the U-Net bench needs a folder with imgs/ and masks/ (the "
+                         f"classic loop opens the files), not {cfg.dataset}")
     # The recipe's own data path, as its main() builds it on one process.
-    data = load_data(cfg, accelerator, functools.partial(unet.augment, cfg=cfg))
-    cfg = dataclasses.replace(cfg, num_classes=data.num_classes)
+    augment = functools.partial(unet.augment, cfg=cfg)
+    data = load_data(cfg, accelerator, unet.input_channels, augment)
+    cfg = dataclasses.replace(cfg, num_classes=data.num_classes, in_channels=data.in_channels)
     train_loader, values = data.train_loader, data.values
     train_source, _ = open_sources(cfg)  # the image and mask files, for the classic loop
     workers = worker_count(cfg.num_workers, 1)  # the recipe's when it does not cache
@@ -339,14 +353,15 @@ def bench_unet(args, accelerator):
         if cfg.channels_last == "true":
             model = model.to(memory_format=torch.channels_last)
         if tutorial:  # the recipe's AdamW settings, with the foreach kernels that milesial asks for
-            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
+                                          weight_decay=cfg.weight_decay, foreach=True)
         else:
             optimizer = unet.make_optimizer(model, cfg.lr, cfg, accelerator)
         return model, optimizer
 
     def step(model, optimizer, x, y):
         """The recipe's training step with nothing around it: loss, backward, clipping, AdamW."""
-        loss = loss_per_image(model(x), y, cfg.num_classes).mean()
+        loss = unet.loss_per_image(model(x), y, cfg.num_classes).mean()
         accelerator.backward(loss)
         if cfg.grad_clip:
             accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -356,14 +371,17 @@ def bench_unet(args, accelerator):
     def setup_recipe(cfg=cfg, compile_model=False):
         model, optimizer = new_model(cfg)
         model, optimizer, loader = accelerator.prepare(model, optimizer, train_loader)
-        if compile_model:  # what prepare() does when the accelerate config sets dynamo_backend INDUCTOR
+        if compile_model:  # what prepare() does with dynamo_backend INDUCTOR in the config
             model = torch.compile(model)
-        # As main(): the cosine schedule over all epochs' optimizer steps, stepped by train_one_epoch.
+        # As main(): the cosine over all epochs' optimizer steps, stepped by train_one_epoch.
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, cfg.epochs * epoch_steps)
         progress = Progress(accelerator, cfg, metric="dice")
 
-        return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, lambda epoch_loader: unet.train_one_epoch(
-            model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress, None, values))
+        def train_epoch(epoch_loader):
+            return unet.train_one_epoch(model, epoch_loader, optimizer, scheduler, accelerator, cfg,
+                                        progress, None, values)
+
+        return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, train_epoch)
 
     def setup_bound():
         model, optimizer = new_model()
@@ -382,11 +400,12 @@ def bench_unet(args, accelerator):
             model, optimizer = new_model(tutorial=True)
             model, optimizer = accelerator.prepare(model, optimizer)
             dataset = ClassicSegmentation(train_source, values)
-            # The tutorial pins memory; only a GPU has pinned memory (on a CPU, torch warns and ignores it).
-            loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, num_workers=workers,
-                                pin_memory=device.type == "cuda")
+            # The tutorial pins memory; only a GPU has it (on a CPU, torch warns and ignores it).
+            loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True,
+                                num_workers=workers, pin_memory=device.type == "cuda")
 
-            return classic_rep(model, loader, steps, device, lambda x, y: step(model, optimizer, x, y))
+            return classic_rep(model, loader, steps, device,
+                               lambda x, y: step(model, optimizer, x, y))
 
         return setup
 
@@ -397,14 +416,16 @@ def bench_unet(args, accelerator):
         "batch_size": cfg.batch_size,
         "input_size": list(x.shape[1:]),
         "flops_per_sample": flops_per_sample(
-            lambda: unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS}), x, y,
-            lambda logits, y: loss_per_image(logits, y, cfg.num_classes).mean()),
+            lambda: unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS}),
+            x, y, lambda logits, y: unet.loss_per_image(logits, y, cfg.num_classes).mean()),
         "steps_per_rep": steps,
         "samples_per_rep": sum(sizes),
         "model": f"UNet(base_channels={cfg.base_channels})",
-        "optimizer": f"AdamW(lr={cfg.lr}, weight_decay={cfg.weight_decay}), gradient norm clipped to {cfg.grad_clip}; "
-                     f"recipe and bound: make_optimizer (fused kernels, except under fp16); classic: foreach kernels",
-        "recipe_loop": f"common/segmentation.py load_data ({data.reading}) + recipes/unet.py train_one_epoch",
+        "optimizer": f"AdamW(lr={cfg.lr}, weight_decay={cfg.weight_decay}), gradient norm clipped "
+                     f"to {cfg.grad_clip}; recipe and bound: make_optimizer (fused kernels, except "
+                     f"under fp16); classic: foreach kernels",
+        "recipe_loop": f"recipes/unet_data.py load_data ({data.reading}) + recipes/unet.py "
+                       f"train_one_epoch",
         "startup_cmd": [sys.executable, "recipes/unet.py", "--dataset", cfg.dataset, "--smoke",
                         "--smoke_steps", "1"],
         "startup_marker": "unet: ",  # main() prints this line after data, model and prepare()
@@ -412,7 +433,8 @@ def bench_unet(args, accelerator):
             "recipe": "recipe's make_loaders + train_one_epoch",
             "bound": "float batches already on the device",
             "classic_w0": "PIL -> numpy -> tensor per sample, DataLoader num_workers 0",
-            f"classic_w{workers}": f"the same with num_workers {workers}, as the recipe streams with",
+            f"classic_w{workers}": f"the same with num_workers {workers}, as the recipe streams "
+                                   f"with",
         },
     }
     variants = {
@@ -425,7 +447,8 @@ def bench_unet(args, accelerator):
         info["what"]["recipe_cl"] = "the recipe with --channels_last true (model and batches NHWC)"
         variants["recipe_cl"] = lambda: setup_recipe(dataclasses.replace(cfg, channels_last="true"))
     if "compile" in args.also:
-        info["what"]["recipe_compile"] = "the recipe, model compiled (torch.compile, inductor) after prepare()"
+        info["what"]["recipe_compile"] = ("the recipe, model compiled (torch.compile, inductor) "
+                                          "after prepare()")
         variants["recipe_compile"] = lambda: setup_recipe(compile_model=True)
     return info, variants
 
@@ -521,7 +544,8 @@ def bench_loader(args, accelerator):
         cfg = parse_config(unet.Config, ["--dataset", args.dataset, "--output_dir", args.workdir,
                                          *shlex.split(flags)])
         start = time.perf_counter()
-        data = load_data(cfg, accelerator, functools.partial(unet.augment, cfg=cfg))
+        augment = functools.partial(unet.augment, cfg=cfg)
+        data = load_data(cfg, accelerator, unet.input_channels, augment)
         loader = accelerator.prepare(data.train_loader)
         epochs = itertools.count()
 
@@ -558,8 +582,8 @@ def report_loader(args, accelerator):
             return rep
         return wrapped
 
-    results = measure({name: keep(name, setup) for name, setup in variants.items()}, device, args.warmup,
-                      args.reps)
+    results = measure({name: keep(name, setup) for name, setup in variants.items()}, device,
+                      args.warmup, args.reps)
     print(f"\n{'images/s median':>15} {'best':>8} {'set-up s':>9}  variant (recipe flags)")
     for name, res in results.items():
         res.update(setups[name])
@@ -571,7 +595,8 @@ def report_loader(args, accelerator):
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"recipe": "unet", "mode": "loader", "dataset": args.dataset,
                                "device": device.type, "device_name": device_name(device),
-                               "threads": args.threads, "reps": args.reps, "variants": results}, indent=2) + "\n")
+                               "threads": args.threads, "reps": args.reps, "variants": results},
+                              indent=2) + "\n")
     print(f"wrote {out}")
 
 
@@ -606,7 +631,8 @@ recipe.run(recipe.main, recipe.Config)
 STARTUP_RUNS = {  # label: (what it is, more recipe arguments)
     "first": ("first run: datasets converts the files, the recipe decodes and caches", []),
     "second": ("second run: the decoded images read from the cache", []),
-    "second_no_cache": ("second run with --cache_decoded false: decoded again", ["--cache_decoded", "false"]),
+    "second_no_cache": ("second run with --cache_decoded false: decoded again",
+                        ["--cache_decoded", "false"]),
 }
 
 
@@ -637,17 +663,19 @@ def bench_startup_cache(args):
     each, all on one datasets cache that starts empty (HF_DATASETS_CACHE in a temporary folder,
     removed after), and time each from the end of its imports to its first training step."""
     if args.recipe != "mnist":
-        raise SystemExit("error: --startup_cache is for --recipe mnist, the recipe with cache_decoded")
+        raise SystemExit("error: --startup_cache is for --recipe mnist, the recipe with "
+                         "cache_decoded")
     folder = Path(tempfile.mkdtemp(prefix="bench-startup-"))
-    print(f"{args.recipe} start-up on {args.dataset}, {os.cpu_count()} cores, from the end of the imports "
-          f"to the first training step (3 launches; load average {os.getloadavg()[0]:.2f})", flush=True)
+    print(f"{args.recipe} start-up on {args.dataset}, {os.cpu_count()} cores, from the end of the "
+          f"imports to the first training step (3 launches; load average "
+          f"{os.getloadavg()[0]:.2f})", flush=True)
     runs = {}
     try:
         for label, (what, more) in STARTUP_RUNS.items():
             recipe_args = ["--dataset", args.dataset, "--smoke", "--smoke_steps", 1,
                            "--output_dir", folder / label, *more]
-            runs[label] = {"what": what, **time_from_imports(args.recipe, recipe_args,
-                                                             {"HF_DATASETS_CACHE": str(folder / "cache")})}
+            cache = {"HF_DATASETS_CACHE": str(folder / "cache")}
+            runs[label] = {"what": what, **time_from_imports(args.recipe, recipe_args, cache)}
             print(f"  {runs[label]['imports_done_to_first_step_s']:6.2f} s  {what} (imports "
                   f"{runs[label]['launch_to_imports_done_s']:.2f} s before)", flush=True)
     finally:
@@ -691,7 +719,8 @@ def measure(variants, device, warmup, reps):
             res = results[name]
             res["samples"].append(samples)
             res["seconds"].append(round(seconds, 4))
-            res["samples_per_s"].append(round(samples / seconds, 2))  # 2 decimals: a U-Net on a CPU does ~10/s
+            # 2 decimals: a U-Net on a CPU does ~10/s.
+            res["samples_per_s"].append(round(samples / seconds, 2))
         print(f"  round {r + 1}/{reps}: " + ", ".join(f"{n} {rate(res['samples_per_s'][-1])}"
                                                     for n, res in results.items()), flush=True)
     for res in results.values():
@@ -702,7 +731,8 @@ def measure(variants, device, warmup, reps):
 
 def paired(results, a, b):
     """The median over rounds of a's samples/s over b's in the same round."""
-    return round(statistics.median(x / y for x, y in zip(results[a]["samples_per_s"], results[b]["samples_per_s"])), 3)
+    pairs = zip(results[a]["samples_per_s"], results[b]["samples_per_s"])
+    return round(statistics.median(x / y for x, y in pairs), 3)
 
 
 def time_startup(cmd, marker, runs, workdir):
@@ -713,9 +743,10 @@ def time_startup(cmd, marker, runs, workdir):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         full = cmd + ["--output_dir", str(Path(workdir) / f"startup-{i}")]
         start = time.perf_counter()
-        proc = subprocess.Popen(full, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(full, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
         stderr = []
-        drain = threading.Thread(target=lambda: stderr.append(proc.stderr.read()))  # no pipe deadlock
+        drain = threading.Thread(target=lambda: stderr.append(proc.stderr.read()))  # no deadlock
         drain.start()
         ready, lines, last = None, [], 0.0
         for line in proc.stdout:
@@ -738,7 +769,8 @@ def time_startup(cmd, marker, runs, workdir):
 def device_name(device):
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or "cpu"
@@ -747,25 +779,33 @@ def device_name(device):
 def main():
     per_recipe = "; ".join(f"{name}: " + ", ".join(f"--{k} {v}" for k, v in defaults.items())
                            for name, (_, defaults) in RECIPES.items())
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=f"Defaults per recipe: {per_recipe}.")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog=f"Defaults per recipe: {per_recipe}.")
     p.add_argument("--recipe", choices=sorted(RECIPES), default="mnist")
     p.add_argument("--dataset", help="what the recipe's --dataset takes (default: per recipe)")
-    p.add_argument("--steps", type=int, help="optimizer steps per repetition, the last of an epoch (0: one epoch; "
-                                             "default: per recipe)")
-    p.add_argument("--reps", type=int, help="measured repetitions of each variant (default: per recipe)")
-    p.add_argument("--warmup", type=int, default=1, help="repetitions of each variant before measuring")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, all variants")
+    p.add_argument("--steps", type=int, help="optimizer steps per repetition, the last of an epoch "
+                                             "(0: one epoch; default: per recipe)")
+    p.add_argument("--reps", type=int,
+                   help="measured repetitions of each variant (default: per recipe)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="repetitions of each variant before measuring")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help="torch threads, all variants")
     p.add_argument("--startup_runs", type=int, default=3, help="recipe launches to time (0: skip)")
     p.add_argument("--json", help="where to write the results (default runs/bench/<recipe>.json)")
     p.add_argument("--loader", nargs="*", metavar="FLAGS",
-                   help='U-Net: measure the training loader alone, once per FLAGS (recipe settings, "" for '
-                        'the defaults), with no model (see above)')
+                   help='U-Net: measure the training loader alone, once per FLAGS (recipe '
+                        'settings, "" for the defaults), with no model (see above)')
     p.add_argument("--also", nargs="+", default=[], choices=["channels_last", "compile"],
-                   help="U-Net: also measure the recipe with channels_last, or compiled (see above)")
-    p.add_argument("--image_size", type=int, help="U-Net: the recipe's image_size (default: the recipe's)")
-    p.add_argument("--batch_size", type=int, help="U-Net: the recipe's batch_size (default: the recipe's)")
+                   help="U-Net: also measure the recipe with channels_last, or compiled (see "
+                        "above)")
+    p.add_argument("--image_size", type=int,
+                   help="U-Net: the recipe's image_size (default: the recipe's)")
+    p.add_argument("--batch_size", type=int,
+                   help="U-Net: the recipe's batch_size (default: the recipe's)")
     p.add_argument("--startup_cache", action="store_true",
-                   help="only time start-up: a first and a second launch on an empty datasets cache (see above)")
+                   help="only time start-up: a first and a second launch on an empty datasets "
+                        "cache (see above)")
     args = p.parse_args()
     bench, defaults = RECIPES[args.recipe]
     for key, value in defaults.items():  # what the command line left out
@@ -773,10 +813,13 @@ def main():
             setattr(args, key, value)
     if args.startup_cache:
         return bench_startup_cache(args)
-    args.json = args.json or f"runs/bench/{args.recipe}{'_loader' if args.loader is not None else ''}.json"
-    if args.steps < 0 or args.reps < 1 or args.warmup < 0 or args.threads < 1 or args.startup_runs < 0:
-        p.error("--steps, --warmup and --startup_runs cannot be negative; --reps and --threads must be at least 1")
-    if (args.also or args.image_size is not None or args.batch_size is not None) and args.recipe != "unet":
+    loader = "_loader" if args.loader is not None else ""
+    args.json = args.json or f"runs/bench/{args.recipe}{loader}.json"
+    if min(args.steps, args.warmup, args.startup_runs) < 0 or min(args.reps, args.threads) < 1:
+        p.error("--steps, --warmup and --startup_runs cannot be negative; --reps and --threads "
+                "must be at least 1")
+    sized = args.image_size is not None or args.batch_size is not None
+    if (args.also or sized) and args.recipe != "unet":
         p.error("--also, --image_size and --batch_size are for --recipe unet")
     if args.loader is not None and args.recipe != "unet":
         p.error("--loader is for --recipe unet")
@@ -799,25 +842,28 @@ def main():
         return
     try:
         info, variants = bench(args, accelerator)
-        print(f"{args.recipe}: {info['steps_per_rep']} steps = {info['samples_per_rep']} samples per repetition, "
-              f"{args.warmup} warm-up + {args.reps} measured each, interleaved, {args.threads} threads, "
-              f"{device.type} ({device_name(device)}), precision {accelerator.mixed_precision}", flush=True)
+        print(f"{args.recipe}: {info['steps_per_rep']} steps = {info['samples_per_rep']} samples "
+              f"per repetition, {args.warmup} warm-up + {args.reps} measured each, interleaved, "
+              f"{args.threads} threads, {device.type} ({device_name(device)}), precision "
+              f"{accelerator.mixed_precision}", flush=True)
         dynamo = accelerator.state.dynamo_plugin  # the accelerate config's dynamo_config
         if dynamo.backend.value != "NO":
-            print(f"  prepare() compiles every model: backend {dynamo.backend.value.lower()}, mode {dynamo.mode}",
-                  flush=True)
+            print(f"  prepare() compiles every model: backend {dynamo.backend.value.lower()}, "
+                  f"mode {dynamo.mode}", flush=True)
         flops, dtype = info.get("flops_per_sample"), peak_dtype(accelerator)
         if flops:
-            print(f"  {flops / 1e9:.1f} GFLOP per sample; timing a matrix product in {peak_name(device, dtype)}",
-                  flush=True)
+            print(f"  {flops / 1e9:.1f} GFLOP per sample; timing a matrix product in "
+                  f"{peak_name(device, dtype)}", flush=True)
             peaks = [matmul_peak(device, dtype)]
         results = measure(variants, device, args.warmup, args.reps)
         if flops:
             peaks.append(matmul_peak(device, dtype))  # again: the less disturbed of the two counts
         startup = []
         if args.startup_runs:
-            print(f"  launching the recipe {args.startup_runs} time(s) to time start-up", flush=True)
-            startup = time_startup(info["startup_cmd"], info["startup_marker"], args.startup_runs, workdir)
+            print(f"  launching the recipe {args.startup_runs} time(s) to time start-up",
+                  flush=True)
+            startup = time_startup(info["startup_cmd"], info["startup_marker"], args.startup_runs,
+                                   workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -835,10 +881,11 @@ def main():
         **{k: v for k, v in info.items() if k != "startup_marker"},
         "warmup_reps": args.warmup,
         "reps": args.reps,
-        "peak_memory_note": ("max CUDA memory allocated, from the variant's set-up through its warm-up"
-                             if device.type == "cuda" else
-                             "process RSS high-water mark after the variant's warm-up; variants run in one "
-                             "process in this order, so only the first (recipe) is its own"),
+        "peak_memory_note": ("max CUDA memory allocated, from the variant's set-up through its "
+                             "warm-up" if device.type == "cuda" else
+                             "process RSS high-water mark after the variant's warm-up; variants "
+                             "run in one process in this order, so only the first (recipe) is its "
+                             "own"),
         "variants": results,
         "classic_compared": classic,
         "recipe_over_bound": round(med["recipe"] / med["bound"], 3),
@@ -849,17 +896,19 @@ def main():
         # Other work on the machine only ever slows a repetition down, so the best repetition is
         # the least disturbed one.
         "recipe_over_bound_best": round(best["recipe"] / best["bound"], 3),
-        "recipe_over_classic_best": round(best["recipe"] / max(v for n, v in best.items() if n.startswith("classic")), 3),
+        "recipe_over_classic_best": round(best["recipe"] / max(v for n, v in best.items()
+                                                               if n.startswith("classic")), 3),
         # --also: each variant's speed over the plain recipe's.
         "also_over_recipe": {name: {"ratio_of_medians": round(med[name] / med["recipe"], 3),
                                     "paired": paired(results, name, "recipe")}
                              for name in results if name.startswith("recipe_")},
-        "load_average_1min": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2),
-                              "cpu_cores": os.cpu_count()},
-        "startup_definition": ("seconds from launching `startup_cmd` to its start-up line (printed after the data "
-                               "is loaded and decoded, the model built and prepare() done: right before the "
-                               "first training step); to_exit_s: the whole 1-step smoke run, eval and writes "
-                               "included; exit_s: from its last output line to the process's exit"),
+        "load_average_1min": {"before": round(load_before[0], 2),
+                              "after": round(os.getloadavg()[0], 2), "cpu_cores": os.cpu_count()},
+        "startup_definition": ("seconds from launching `startup_cmd` to its start-up line "
+                               "(printed after the data is loaded and decoded, the model built and "
+                               "prepare() done: right before the first training step); to_exit_s: "
+                               "the whole 1-step smoke run, eval and writes included; exit_s: from "
+                               "its last output line to the process's exit"),
         "startup": startup,
     }
     if startup:
@@ -867,26 +916,30 @@ def main():
 
     print(f"\n{'variant':<12} {'median/s':>9} {'best/s':>8} {'worst/s':>8} {'peak MB':>8}  what")
     for name, res in results.items():
-        print(f"{name:<12} {rate(res['median_samples_per_s']):>9} {rate(res['best_samples_per_s']):>8} "
-              f"{rate(min(res['samples_per_s'])):>8} {res['peak_memory_mb']:>8.0f}  {info['what'][name]}")
+        print(f"{name:<12} {rate(res['median_samples_per_s']):>9} "
+              f"{rate(res['best_samples_per_s']):>8} {rate(min(res['samples_per_s'])):>8} "
+              f"{res['peak_memory_mb']:>8.0f}  {info['what'][name]}")
     for other, key in (("bound", "bound"), (f"classic ({classic}, the faster median)", "classic")):
         print(f"recipe/{other}: {report[f'recipe_over_{key}']:.3f} ratio of medians, "
               f"{report[f'recipe_over_{key}_paired']:.3f} median of per-round ratios, "
               f"{report[f'recipe_over_{key}_best']:.3f} ratio of best repetitions")
     for name, ratio in report["also_over_recipe"].items():
-        print(f"{name}/recipe: {ratio['ratio_of_medians']:.3f} ratio of medians, {ratio['paired']:.3f} median of "
-              f"per-round ratios")
+        print(f"{name}/recipe: {ratio['ratio_of_medians']:.3f} ratio of medians, "
+              f"{ratio['paired']:.3f} median of per-round ratios")
     load = report["load_average_1min"]
-    print(f"load average {load['before']} before, {load['after']} after, on {load['cpu_cores']} cores")
+    print(f"load average {load['before']} before, {load['after']} after, on {load['cpu_cores']} "
+          f"cores")
     if startup:
         print(f"start-up to first step {report['startup_median_s']:.2f} s (median of "
               f"{', '.join(str(s['to_first_step_s']) for s in startup)}); whole 1-step smoke run "
-              f"{statistics.median(s['to_exit_s'] for s in startup):.2f} s, of which exit after the last line "
-              f"{statistics.median(s['exit_s'] for s in startup):.2f} s")
+              f"{statistics.median(s['to_exit_s'] for s in startup):.2f} s, of which exit after "
+              f"the last line {statistics.median(s['exit_s'] for s in startup):.2f} s")
     if flops:
-        report["matmul_peak_tflops"] = {"precision": peak_name(device, dtype), "measured": [round(p, 4) for p in peaks],
+        report["matmul_peak_tflops"] = {"precision": peak_name(device, dtype),
+                                        "measured": [round(p, 4) for p in peaks],
                                         "used": round(flop_rates(results, flops, peaks), 4)}
-        print_flop_rates(results, flops, report["matmul_peak_tflops"]["used"], peak_name(device, dtype))
+        print_flop_rates(results, flops, report["matmul_peak_tflops"]["used"],
+                         peak_name(device, dtype))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -5,7 +5,7 @@ Accelerate 1.15's unwrap_model(model) (also inside get_state_dict) re-points tor
 wrapper at the bare model, so DDP drops out of the module tree that training goes on using:
 train()/eval() and no_sync() no longer reach it. The recipes unwrap without that side effect.
 
-    accelerate launch --config_file COMPILE.yaml tests/compile_probe.py SHAPES_DIR OUT_DIR VAL_FRACTION
+    accelerate launch --config_file COMPILE.yaml tests/compile_probe.py SHAPES OUT VAL_FRACTION
 """
 
 import sys
@@ -19,15 +19,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common.checkpoint import save_weights
 from common.runtime import build_accelerator, close
-from common.segmentation import load_data
+from unet_data import load_data
 
 unet = load_recipe("unet")
 
 shapes, out, val_fraction = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
-cfg = unet.Config(dataset=shapes, output_dir=str(out), val_fraction=val_fraction, bucket_by_size=True,
-                  num_classes=4, base_channels=4, num_workers=0)
+cfg = unet.Config(dataset=shapes, output_dir=str(out), val_fraction=val_fraction,
+                  bucket_by_size=True, num_classes=4, in_channels=3, base_channels=4, num_workers=0)
 accelerator = build_accelerator()
-val_loader = load_data(cfg, accelerator).val_loader
+val_loader = load_data(cfg, accelerator, unet.input_channels).val_loader
 model = unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS})
 optimizer = torch.optim.AdamW(model.parameters())
 model, optimizer = accelerator.prepare(model, optimizer)
@@ -39,14 +39,14 @@ def whole(model, when):
 
 
 whole(model, "after prepare")
-result, _ = unet.evaluate(model, val_loader, accelerator, cfg, "h")  # bucketed: the bare model, no compiling
+result, _ = unet.evaluate(model, val_loader, accelerator, cfg, "h")  # bucketed: the bare model
 whole(model, "after evaluate")
 save_weights(accelerator, model, out / "model.safetensors")
 whole(model, "after save_weights")
 if accelerator.is_main_process:
     with safe_open(out / "model.safetensors", "pt") as f:
         assert not any(k.startswith("_orig_mod.") for k in f.keys()), list(f.keys())[:3]
-print(f"rank {accelerator.process_index}: compiled DDP model whole; {result['eval_samples']} images evaluated",
-      flush=True)
+print(f"rank {accelerator.process_index}: compiled DDP model whole; {result['eval_samples']} "
+      f"images evaluated", flush=True)
 del model, optimizer, val_loader
 close(accelerator)

@@ -3,8 +3,8 @@
     from recipe_module import load_recipe
     unet = load_recipe("unet")      # recipes/unet.py: its Config, loaders, model, evaluate ...
 
-It also puts the repository root on sys.path, so a probe launched as `python tests/x.py`
-can import `common`.
+It also puts the repository root and recipes/ on sys.path, so a probe launched as
+`python tests/x.py` can import `common` and a recipe's helpers (unet_data).
 """
 
 import importlib.util
@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for path in (REPO / "recipes", REPO):  # a recipe's own helpers (unet_data.py), and common/
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 
 def load_recipe(name):

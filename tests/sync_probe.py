@@ -1,4 +1,5 @@
-"""Launched by test_gpu.py on one GPU: does fetching a training batch ever make Python wait for the GPU?
+"""Launched by test_gpu.py on one GPU: does fetching a training batch ever make Python wait for
+the GPU?
 
 A blocking copy from the CPU to the GPU (or an .item()) waits until the GPU has run all the work
 queued before it, so the GPU then idles while the next batch is fetched. With
@@ -16,7 +17,7 @@ import torch
 from recipe_module import load_recipe  # first: it puts the repository on sys.path
 
 from common.runtime import build_accelerator, close
-from common.segmentation import load_data
+from unet_data import load_data
 
 mnist_dir, shapes_dir = sys.argv[1:3]
 mnist, unet = load_recipe("mnist"), load_recipe("unet")
@@ -27,11 +28,14 @@ assert device.type == "cuda", device
 loaders = {}
 for on_device in (True, False):
     cfg = mnist.Config(dataset=mnist_dir, data_on_device=on_device, batch_size=32)
-    loaders[f"mnist data_on_device {on_device}"] = accelerator.prepare(mnist.make_loaders(cfg, device)[0])
-for bucketed, cache in itertools.product((False, True), ("true", "false")):  # as the recipe's main() builds it
-    cfg = unet.Config(dataset=shapes_dir, batch_size=4, num_workers=2, bucket_by_size=bucketed, cache_images=cache,
-                      vflip=0.5)
-    data = load_data(cfg, accelerator, functools.partial(unet.augment, cfg=cfg))
+    train_loader = mnist.make_loaders(cfg, device)[0]
+    loaders[f"mnist data_on_device {on_device}"] = accelerator.prepare(train_loader)
+# As the recipe's main() builds them.
+for bucketed, cache in itertools.product((False, True), ("true", "false")):
+    cfg = unet.Config(dataset=shapes_dir, batch_size=4, num_workers=2, bucket_by_size=bucketed,
+                      cache_images=cache, vflip=0.5)
+    augment = functools.partial(unet.augment, cfg=cfg)
+    data = load_data(cfg, accelerator, unet.input_channels, augment)
     # Bucketed loaders are sharded and placed by common/sampler.py; the others go through prepare().
     train_loader = data.train_loader if bucketed else accelerator.prepare(data.train_loader)
     loaders[f"unet cache_images {cache}" + " bucket_by_size" * bucketed] = train_loader

@@ -27,9 +27,9 @@ def test_flops_per_sample_counts_forward_and_backward_of_one_sample():
     # The default U-Net (64 base channels, 4 classes) on 256x256: 288.9 GFLOP, as counted on the
     # H100 for issue 18.
     unet = load_recipe("unet")
-    cfg = unet.Config(num_classes=4)
+    cfg = unet.Config(num_classes=4, in_channels=3)
     flops = bench.flops_per_sample(
         lambda: unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS}),
         torch.zeros(3, 256, 256, dtype=torch.uint8), torch.zeros(256, 256, dtype=torch.long),
-        lambda logits, y: bench.loss_per_image(logits, y, cfg.num_classes).mean())
+        lambda logits, y: unet.loss_per_image(logits, y, cfg.num_classes).mean())
     assert round(flops / 1e9, 1) == 288.9

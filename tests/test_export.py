@@ -2,7 +2,10 @@
 them, checked against PyTorch, with the weights file's metadata; the U-Net predicts from it."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,21 +18,21 @@ from safetensors import safe_open
 from common.checkpoint import load_weights
 from common.config import ConfigError, UserError, parse_config
 from common.export import OnnxModel, check_onnx, write_onnx
-from common.segmentation import SegmentationWeights, load_model, sample_images
-from conftest import assert_ok, launch, make_shapes
+from conftest import REPO, assert_ok, launch, make_shapes
 from recipe_module import load_recipe
+from unet_predict import SegmentationWeights, load_model, sample_images
 
 MNIST, UNET = "recipes/mnist.py", "recipes/unet.py"
 UNET_DATA = ["--val_fraction", 0.2, "--num_workers", 0]  # 20 images: 16 train, 4 validation
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on 2 cores a second thread slows these tiny models down
 WROTE = re.compile(r"wrote (\S+): onnxruntime's logits are within (\S+) of PyTorch's \(max abs, "
-                   r"fp32\) on inputs of (.+)")
+                   r"fp32\) on inputs of ([^(\n]+?)(?: \((.*)\))?$", re.M)
 
 
 def checked(res):
     """(path, max difference, input shapes) from an export's report line."""
     assert_ok(res)
-    path, worst, shapes = WROTE.search(res.output).groups()
+    path, worst, shapes, _ = WROTE.search(res.output).groups()
     return path, float(worst), shapes.split(", ")
 
 
@@ -102,7 +105,8 @@ def test_mnist_export_writes_a_checked_onnx_file_for_any_batch(mnist_weights, ti
     # A third batch size, compared here rather than by the code under test.
     x = torch.randn(5, 1, 28, 28)
     with torch.no_grad():
-        assert (OnnxModel(onnx_file)(x) - torch_model("mnist", mnist_weights)(x)).abs().max() <= 1e-4
+        difference = OnnxModel(onnx_file)(x) - torch_model("mnist", mnist_weights)(x)
+        assert difference.abs().max() <= 1e-4
 
 
 @pytest.mark.slow
@@ -112,14 +116,16 @@ def test_unet_export_takes_any_batch_and_image_size(unet_onnx, unet_weights):
     assert path == str(onnx_file) and worst <= 1e-4, res
     # Validation images at the training size, and one at another height and width.
     assert shapes == ["4x3x48x48", "1x3x64x80"], res
-    assert graph_axes(onnx_file) == [["batch", 3, "height", "width"], ["batch", 4, "height", "width"]]
+    assert graph_axes(onnx_file) == [["batch", 3, "height", "width"],
+                                     ["batch", 4, "height", "width"]]
     stored = metadata(onnx_file)
     assert stored == metadata(unet_weights[1]) and stored["recipe"] == "unet"
-    assert json.loads(stored["segmentation"])["model"] == {"num_classes": 4, "base_channels": 4,
-                                                           "bilinear": False}
+    assert json.loads(stored["segmentation"])["model"] == {"in_channels": 3, "num_classes": 4,
+                                                           "base_channels": 4, "bilinear": False}
     x = torch.rand(2, 3, 40, 56)  # a size that neither the export nor its check used
     with torch.no_grad():
-        assert (OnnxModel(onnx_file)(x) - torch_model("unet", unet_weights[1])(x)).abs().max() <= 1e-4
+        difference = OnnxModel(onnx_file)(x) - torch_model("unet", unet_weights[1])(x)
+        assert difference.abs().max() <= 1e-4
 
 
 @pytest.mark.slow
@@ -135,6 +141,30 @@ def test_unet_predict_from_onnx_writes_the_same_masks(unet_onnx, unet_weights, t
         assert (tmp_path / ".onnx" / mask.name).read_bytes() == mask.read_bytes(), mask.name
     found = set().union(*(np.unique(np.asarray(Image.open(m))).tolist() for m in masks))
     assert len(found) > 1, found  # the model predicts shapes, not background alone
+
+
+@pytest.mark.slow
+def test_unet_export_without_data_checks_random_inputs_of_the_stored_size(unet_weights, tmp_path):
+    # Weights from data that is not here, and no --dataset: the check runs on random pixels of
+    # the size the weights store (64x64 for weights of images at their own sizes), and says so.
+    from safetensors.torch import load_file, save_file
+
+    native = tmp_path / "native.safetensors"
+    stored = SegmentationWeights.read(unet_weights[1])
+    stored.input_size = None
+    save_file(load_file(unet_weights[1]), native, stored.metadata(recipe="unet"))
+    for weights, sizes in [(unet_weights[1], ["4x3x48x48", "1x3x64x80"]),
+                           (native, ["4x3x64x64", "1x3x80x96"])]:
+        # Run where no data/shapes is, as a user who copied only the weights.
+        res = subprocess.run([sys.executable, REPO / UNET, "--export", "onnx", "--weights",
+                              weights], cwd=tmp_path, capture_output=True, text=True,
+                             env={**os.environ, "ACCELERATE_USE_CPU": "1", **ONE_THREAD})
+        output = res.stdout + res.stderr
+        assert res.returncode == 0 and WROTE.search(output), output
+        path, worst, shapes, what = WROTE.search(output).groups()
+        assert path == str(weights.with_suffix(".onnx")) and float(worst) <= 1e-4, output
+        assert shapes.split(", ") == sizes
+        assert what == "random pixels: no --dataset, data/shapes is not made"
 
 
 def hide(tmp_path, package):
@@ -214,10 +244,12 @@ def test_an_export_that_differs_from_torch_is_one_line(tmp_path):
 @pytest.mark.slow
 def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights):
     data, _ = unet_weights
-    cfg = parse_config(load_recipe("unet").Config, ["--dataset", str(data), *map(str, UNET_DATA)])
+    unet = load_recipe("unet")
+    cfg = parse_config(unet.Config, ["--dataset", str(data), *map(str, UNET_DATA)])
     for input_size, first, second in [([32, 40], (4, 3, 32, 40), (1, 3, 48, 72)),
                                       (None, (4, 3, 48, 48), (1, 3, 64, 80))]:  # None: own size
         weights = SegmentationWeights({}, [0, 85, 170, 255], input_size)
-        x, y = sample_images(cfg, weights)
+        images, what = sample_images(cfg, weights)
+        x, y = (unet.prepare_input(t, cfg) for t in images)
         assert (x.shape, y.shape) == (first, second)
         assert x.dtype == torch.float32 and 0 <= x.min() < x.max() <= 1
