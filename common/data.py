@@ -64,12 +64,23 @@ def unreadable_image(what, e, kind="image"):
 
 def _hub_reachable(timeout_s=3.0):
     """A cheap check for internet access: can we open a TCP connection to the hub?"""
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     try:
-        socket.create_connection((host, 443), timeout=timeout_s).close()
+        port = url.port or (80 if url.scheme == "http" else 443)
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
         return True
     except OSError:
         return False
+
+
+def _go_offline():
+    """Only the local cache from now on: a dataset missing from it fails at once, not after 20 s
+    of retries. huggingface_hub and datasets read HF_HUB_OFFLINE when first imported; where they
+    were imported already (a notebook, a test), their flags are set too."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    for module in ("huggingface_hub.constants", "datasets.config"):
+        if module in sys.modules:
+            sys.modules[module].HF_HUB_OFFLINE = True
 
 
 def load_splits(name, splits, columns, hint=None):
@@ -87,9 +98,7 @@ def load_splits(name, splits, columns, hint=None):
     else:
         source = name
         if not _hub_reachable():
-            # Read when huggingface_hub is first imported (below): then only the local cache is
-            # used, and a dataset missing from it fails at once instead of after retries.
-            os.environ["HF_HUB_OFFLINE"] = "1"
+            _go_offline()
 
     import datasets
     import huggingface_hub

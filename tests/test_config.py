@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -199,6 +200,21 @@ def test_the_recipe_says_where_data_is_missing(mnist, dataset, message):
     with pytest.raises(DataError, match=re.escape(message)):
         mnist.make_loaders(mnist.Config(dataset=dataset))
 
+
+
+@pytest.mark.slow
+def test_an_unreachable_hub_is_tried_once_where_datasets_was_imported_already(mnist, monkeypatch):
+    # As in a notebook: datasets is imported before the recipe finds no internet, so it read
+    # HF_HUB_OFFLINE already, and each retry against the hub cost 20 s. The check itself goes to
+    # the port of HF_ENDPOINT (conftest: 127.0.0.1:9), not always to 443.
+    import datasets  # noqa: F401
+
+    tried = []
+    connect = socket.socket.connect
+    monkeypatch.setattr(socket.socket, "connect", lambda s, address: tried.append(address) or connect(s, address))
+    with pytest.raises(DataError, match="point --dataset at a local folder"):
+        mnist.make_loaders(mnist.Config(dataset="ylecun/mnist"))
+    assert tried == [("127.0.0.1", 9)]
 
 def one_error_line(res):
     """The one line of a run that stopped on bad input, less `python -X importtime`'s lines."""
