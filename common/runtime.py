@@ -354,6 +354,10 @@ def run(main, config_class, argv=None):
     `--debug` shows the full traceback instead. Other exceptions keep their traceback.
     """
     debug = "--debug" in (sys.argv if argv is None else argv)
+    # What the imports made (torch, accelerate: about 400,000 objects) lives until the process
+    # ends. Out of the collector's sight, the full collections in close() and below, which drop
+    # the DDP model before the process group, take a few ms each instead of 0.15 s.
+    gc.freeze()
     try:
         main(parse_config(config_class, argv))
     except ShowHelp as e:  # --help or -h
