@@ -61,26 +61,20 @@ def test_stop_and_resume_gives_bit_identical_weights(tiny_mnist, straight, tmp_p
 
 
 @pytest.mark.slow
-def test_an_epoch_end_checkpoint_resumes_exactly_and_a_finished_run_only_evaluates(tiny_mnist, straight, tmp_path):
-    from_epoch_end = stopped_at(straight, 8, tmp_path / "epoch_end")
-    res = train(tiny_mnist, from_epoch_end, "--max_steps", 13, "--resume", "latest")
-    assert "(epoch 2, step 8)" in res.output
-    assert_identical(weights(straight), weights(from_epoch_end))
-    # The same command again: max_steps is reached already, so it only evaluates.
-    before = sorted(p.name for p in (from_epoch_end / "checkpoints").iterdir())
-    res = train(tiny_mnist, from_epoch_end, "--max_steps", 13, "--resume", "latest")
-    assert "epoch 2:" not in res.output and sorted(p.name for p in (from_epoch_end / "checkpoints").iterdir()) == before
-    assert read_metrics(from_epoch_end)[-1]["epoch"] is None and read_metrics(from_epoch_end)[-1]["step"] == 13
-    assert_identical(weights(straight), weights(from_epoch_end))
-
-
-@pytest.mark.slow
-def test_max_steps_on_the_last_batch_of_an_epoch_completes_that_epoch(tiny_mnist, straight, tmp_path):
+def test_max_steps_on_an_epoch_end_completes_it_resumes_exactly_and_a_finished_run_only_evaluates(
+        tiny_mnist, straight, tmp_path):
     split = tmp_path / "split"
     train(tiny_mnist, split, "--max_steps", 8)  # 8 steps an epoch: the end of epoch 1
+    assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["step-00000008"]
     res = train(tiny_mnist, split, "--max_steps", 13, "--resume", "latest")
     assert "(epoch 2, step 8)" in res.output
     assert [(r["epoch"], r["step"]) for r in read_metrics(split)] == [(1, 8), (2, 13)]
+    assert_identical(weights(straight), weights(split))
+    # The same command again: max_steps is reached already, so it only evaluates.
+    before = sorted(p.name for p in (split / "checkpoints").iterdir())
+    res = train(tiny_mnist, split, "--max_steps", 13, "--resume", "latest")
+    assert "epoch 2:" not in res.output and sorted(p.name for p in (split / "checkpoints").iterdir()) == before
+    assert read_metrics(split)[-1]["epoch"] is None and read_metrics(split)[-1]["step"] == 13
     assert_identical(weights(straight), weights(split))
 
 

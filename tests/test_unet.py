@@ -276,21 +276,28 @@ def test_a_mask_that_does_not_fit_its_image_is_named(shapes, unet, tmp_path):
                                                                  val_fraction=VAL_FRACTION)))
 
 
+def data_error(unet, **settings):
+    """The one-line DataError that the recipe's load_data() stops with: a launch would print it
+    as `error: ...` (test_a_mask_value_outside_mask_values_stops_every_rank_with_one_line)."""
+    from common.runtime import build_accelerator
+    from unet_data import load_data
+
+    cfg = unet.Config(val_fraction=VAL_FRACTION, **settings)
+    with pytest.raises(DataError) as e:
+        load_data(cfg, build_accelerator(), unet.input_channels)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
 @pytest.mark.slow
-def test_an_odd_mask_value_found_by_inference_is_named(bad_shapes, tmp_path):
+def test_an_odd_mask_value_found_by_inference_is_named(bad_shapes, unet):
     # num_classes left at 0 (one class per value found): a value in a single mask is not a class.
     root, bad = bad_shapes
-    res = launch([RECIPE, "--dataset", root, "--output_dir", tmp_path, "--smoke", *FAST],
-                 launcher="python")
-    assert res.returncode == 2, res
-    (error,) = res.output.strip().splitlines()
+    error = data_error(unet, dataset=str(root))
     assert (f"the masks hold 5 values (0,7,85,170,255); the rarest, 7, is in 1 of {N_IMAGES} "
             f"masks, such as {bad}" in error and "or --num_classes 5 to keep them all" in error)
     # With num_classes set, the count must fit it.
-    res = launch([RECIPE, "--dataset", root, "--output_dir", tmp_path, "--smoke", "--num_classes",
-                  4, *FAST], launcher="python")
-    assert res.returncode == 2, res
-    (error,) = res.output.strip().splitlines()
+    error = data_error(unet, dataset=str(root), num_classes=4)
     assert "the masks hold 5 values (0,7,85,170,255) where num_classes 4 expects 4" in error
     assert f"the rarest, 7, is in 1 mask(s), such as {bad}" in error
 
@@ -425,22 +432,29 @@ def test_binary_masks_from_a_datasets_folder(shapes, tmp_path):
 
 
 @pytest.mark.slow
-def test_weights_that_do_not_fit_say_why_in_one_short_line(trained, shapes, tmp_path):
+def test_weights_that_do_not_fit_say_why_in_one_short_line(trained, unet, tmp_path):
+    # What main() calls with --weights, before and after the data; the launch of
+    # test_weights_saved_with_one_key_per_setting_say_to_train_again shows such a line printed.
     from safetensors.torch import save_file
 
-    out, _ = trained
-    # Another recipe's weights.
+    from common.checkpoint import load_weights
+    from common.config import UserError
+    from unet_predict import fit_to_weights
+
+    weights = trained[0] / "model.safetensors"
+    cfg = unet.Config(weights=str(weights))  # base_channels 64, the default
+    with pytest.raises(UserError) as e:
+        fit_to_weights(cfg, SegmentationWeights.read(weights), unet.MODEL_SETTINGS)
+    assert str(e.value) == f"{weights} was trained with base_channels 16, not 64: add --base_channels 16"
+    # Another recipe's weights: no settings stored, and none of the tensors fit.
     save_file({"fc.weight": torch.zeros(10, 784)}, tmp_path / "other.safetensors")
-    for weights, message in [
-        (out / "model.safetensors", f"{out / 'model.safetensors'} was trained with base_channels "
-                                    f"16, not 64: add --base_channels 16"),
-        (tmp_path / "other.safetensors", "118 of the model's 118 tensors are missing, such as "),
-    ]:
-        res = launch([RECIPE, "--dataset", shapes, "--output_dir", tmp_path, "--eval_only",
-                      "--weights", weights, "--val_fraction", VAL_FRACTION], launcher="python",
-                     env=ONE_THREAD)
-        lines = res.output.strip().splitlines()
-        assert res.returncode == 2 and message in lines[-1] and len(lines[-1]) < 400, res
+    assert SegmentationWeights.read(tmp_path / "other.safetensors") is None
+    model = unet.build_model({**{name: getattr(cfg, name) for name in unet.MODEL_SETTINGS},
+                              "in_channels": 3, "num_classes": 4})
+    with pytest.raises(UserError) as e:
+        load_weights(model, tmp_path / "other.safetensors")
+    assert "118 of the model's 118 tensors are missing, such as " in str(e.value)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
 
 
 def test_bad_settings_are_rejected(unet):
@@ -576,11 +590,10 @@ def test_bucketed_eval_and_saving_leave_a_compiled_ddp_model_whole(mixed_shapes,
 
 
 @pytest.mark.slow
-def test_without_bucket_by_size_mixed_sizes_say_what_to_set(mixed_shapes, tmp_path):
-    res = launch([RECIPE, "--dataset", mixed_shapes, "--output_dir", tmp_path, *FAST],
-                 launcher="python")
-    assert res.returncode == 2 and "images have different sizes" in res.output, res
-    assert "set --image_size to resize them, or --bucket_by_size true" in res.output
+def test_without_bucket_by_size_mixed_sizes_say_what_to_set(mixed_shapes, unet):
+    error = data_error(unet, dataset=str(mixed_shapes))
+    assert "images have different sizes" in error
+    assert "set --image_size to resize them, or --bucket_by_size true" in error
 
 
 @pytest.mark.parametrize("num_classes", [4, 1])
