@@ -1,5 +1,6 @@
 """The moving average of the weights (ema_decay) and early stopping (early_stop_patience):
-both resume exactly, and every rank stops after the same evaluation."""
+both resume exactly, and every rank stops after the same evaluation. The early-stopping run
+also logs to TensorBoard, read back here."""
 
 import json
 import shutil
@@ -62,12 +63,25 @@ def test_a_checkpoint_resumes_only_with_its_ema_setting(tiny_mnist, mnist_checkp
 
 
 @pytest.mark.slow
-def test_early_stopping_stops_every_rank_and_its_patience_survives_a_resume(tiny_mnist, tmp_path):
+def test_early_stopping_stops_every_rank_its_patience_survives_a_resume_and_tensorboard_logs(tiny_mnist, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     # A learning rate too small to change a prediction: the accuracy never improves after epoch 1.
     # 4 steps an epoch on 2 processes: max_steps 8 stops at the end of epoch 2, one evaluation into
     # a patience of 2. The resumed run must stop after epoch 3, not start counting again.
     flat = ["--lr", 1e-12, "--epochs", 6, "--early_stop_patience", 2]
-    train(tiny_mnist, tmp_path, *flat, "--max_steps", 8, nproc=2)
+    train(tiny_mnist, tmp_path, *flat, "--max_steps", 8, "--log_with", "tensorboard", "--log_every", 2, nproc=2)
+    # TensorBoard: one writer (the main process), training scalars every 2 steps, and the evaluations.
+    (events,) = (tmp_path / "mnist").glob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    assert {"train/loss", "train/lr", "train/samples_per_s", "eval/accuracy", "eval/eval_samples"} <= set(scalars)
+    assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6, 8]
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("eval/accuracy")] == \
+        [(r["step"], round(r["accuracy"], 6)) for r in read_metrics(tmp_path)]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [4, 8]
+
     res = train(tiny_mnist, tmp_path, *flat, "--resume", "latest", nproc=2)
     assert "stopped early: no better accuracy in 2 evaluations" in res.output
     assert [r["epoch"] for r in read_metrics(tmp_path)] == [1, 2, 3]

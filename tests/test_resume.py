@@ -139,9 +139,8 @@ def test_keep_last_checkpoints_and_ignore_unfinished_writes(tiny_mnist, tmp_path
     ckpts = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000004", "step-00000006"]
     # Going on from the older one here would let step-6 outrank (and keep_checkpoints delete) the new ones.
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON, "--resume", ckpts / "step-00000004"],
-                 launcher="python")
-    assert res.returncode == 2 and "is older than step-00000006 in the same folder" in res.output.splitlines()[-1], res
+    with pytest.raises(UserError, match="is older than step-00000006 in the same folder"):
+        choose_checkpoint(str(ckpts / "step-00000004"), ckpts)
     # What a run killed while writing step 8 leaves behind: a temporary folder, half written.
     partial = ckpts / ".tmp-step-00000008"
     shutil.copytree(ckpts / "step-00000006", partial)
