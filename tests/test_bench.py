@@ -10,7 +10,7 @@ import torch
 from conftest import REPO, assert_ok, launch
 from recipe_module import load_recipe
 
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.append(str(REPO / "scripts"))  # bench_tools, after everything else: it shadows nothing
 from bench_tools.flops import flops_per_sample  # noqa: E402
 
 
