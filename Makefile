@@ -53,13 +53,16 @@ test-full: $(BIN)/.installed  ## every test, the fast tier and the slow one: wha
 stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean exits
 	$(BIN)/python scripts/stress_exit.py --runs 20
 
-# MNIST, then the U-Net: about 2 + 5 minutes on 2 CPU cores. Unlike demo-unet, the U-Net keeps
-# torch's threads (one per core): with its default 64 base channels, a training step on 2 cores
-# takes 0.7 s with 2 threads and 1.2 s with 1.
+# MNIST, its fast preset, then the U-Net: about 2 + 2 + 5 minutes on 2 CPU cores. Unlike
+# demo-unet, the U-Net keeps torch's threads (one per core): with its default 64 base channels, a
+# training step on 2 cores takes 0.7 s with 2 threads and 1.2 s with 1. BENCH_ARGS go to all three,
+# such as BENCH_ARGS="--steps 2 --reps 1 --startup_runs 0" for a quick check that they run.
+BENCH_ARGS ?=
 .PHONY: bench
-bench: $(BIN)/.installed data/shapes  ## MNIST and U-Net: recipe loop vs compute bound vs classic loop, start-up (runs/bench/)
-	$(BIN)/python scripts/bench.py --recipe mnist
-	$(BIN)/python scripts/bench.py --recipe unet
+bench: $(BIN)/.installed data/shapes  ## MNIST, its fast preset and U-Net: recipe loop vs compute bound vs classic loop, start-up (runs/bench/)
+	$(BIN)/python scripts/bench.py --recipe mnist $(BENCH_ARGS)
+	$(BIN)/python scripts/bench.py --recipe mnist --config recipes/configs/mnist_fast.yaml $(BENCH_ARGS)
+	$(BIN)/python scripts/bench.py --recipe unet $(BENCH_ARGS)
 
 gpu-check: $(BIN)/.installed data/shapes  ## on a GPU: both recipes in fp32, fp16 and bf16, as a table
 	$(BIN)/python scripts/gpu_check.py

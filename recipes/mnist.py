@@ -152,6 +152,10 @@ def save(accelerator, cfg, progress, scheduler):
     save_checkpoint(accelerator, progress.checkpoints, progress.step, state, cfg.keep_checkpoints)
 
 
+def make_optimizer(model, cfg, lr):
+    return OPTIMIZERS[cfg.optimizer](model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+
+
 def make_scheduler(optimizer, cfg, batches_per_epoch):
     """step: lr x gamma every epoch. onecycle: lr/25 up to lr in 30% of all steps, then to ~0."""
     if cfg.scheduler == "step":
@@ -239,7 +243,7 @@ def main(cfg):
     if cfg.weights:
         load_weights(model, cfg.weights)
     lr = cfg.scaled_lr(accelerator.num_processes)
-    optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(model, cfg, lr)
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader)
     scheduler = make_scheduler(optimizer, cfg, len(train_loader))  # unprepared: stepped once a step

@@ -1,34 +1,53 @@
-"""scripts/bench.py's FLOP count, against counts done by hand and the figure of issue 18."""
+"""scripts/bench.py: the fast preset benchmarked with the recipe's own optimizer and schedule,
+and the FLOP count, against counts done by hand and the figure of issue 18."""
 
-import importlib.util
+import json
+import sys
 
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, assert_ok, launch
 from recipe_module import load_recipe
 
+sys.path.append(str(REPO / "scripts"))  # bench_tools, after everything else: it shadows nothing
+from bench_tools.flops import flops_per_sample  # noqa: E402
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+@pytest.mark.slow
+def test_bench_runs_the_fast_preset_with_its_optimizer_and_schedule(tiny_mnist, tmp_path):
+    # 256 digits at the preset's batch 128: 2 steps an epoch, 1 + 2 repetitions of each variant.
+    # The preset's OneCycleLR is planned over its 2 epochs (4 steps) and raises when stepped more
+    # often: the recipe's 6 steps pass only because the bench plans it over its repetitions.
+    out = tmp_path / "fast.json"
+    res = launch(["scripts/bench.py", "--config", "recipes/configs/mnist_fast.yaml",
+                  "--dataset", tiny_mnist, "--warmup", 1, "--reps", 2, "--startup_runs", 1,
+                  "--threads", 1, "--json", out], launcher="python")
+    assert_ok(res)
+    report = json.loads(out.read_text())
+    assert report["optimizer"].startswith("adamw(lr=0.004, weight_decay=0.01), scheduler onecycle")
+    assert report["startup_cmd"][-5:-3] == ["--config", "recipes/configs/mnist_fast.yaml"]
+    assert report["steps_per_rep"] == 2 and report["samples_per_rep"] == 256
+    assert set(report["variants"]) == {"recipe", "bound", "classic_w0", "classic_w1"}
+    for variant in report["variants"].values():
+        assert variant["samples"] == [256, 256] and min(variant["samples_per_s"]) > 0
+    assert report["recipe_over_bound_paired"] > 0 and len(report["startup"]) == 1
+    table = out.with_suffix(".md").read_text().splitlines()
+    assert table[0].startswith("| variant | median/s |") and table[2].startswith("| recipe | ")
 
 
 @pytest.mark.slow
 def test_flops_per_sample_counts_forward_and_backward_of_one_sample():
-    bench = load_bench()
     # Linear 4 -> 3: forward 2 x 4 x 3 per sample; backward the weight gradient only (the input
     # needs none), 2 x 4 x 3 again.
-    flops = bench.flops_per_sample(lambda: torch.nn.Linear(4, 3), torch.zeros(4), torch.zeros(3),
-                                   lambda out, y: ((out - y) ** 2).mean())
+    flops = flops_per_sample(lambda: torch.nn.Linear(4, 3), torch.zeros(4), torch.zeros(3),
+                             lambda out, y: ((out - y) ** 2).mean())
     assert flops == 48
     # The default U-Net (64 base channels, 4 classes) on 256x256: 288.9 GFLOP, as counted on the
     # H100 for issue 18.
     unet = load_recipe("unet")
     cfg = unet.Config(num_classes=4, in_channels=3)
-    flops = bench.flops_per_sample(
+    flops = flops_per_sample(
         lambda: unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS}),
         torch.zeros(3, 256, 256, dtype=torch.uint8), torch.zeros(256, 256, dtype=torch.long),
         lambda logits, y: unet.loss_per_image(logits, y, cfg.num_classes).mean())
