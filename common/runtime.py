@@ -180,8 +180,12 @@ def make_output_dir(path):
         probe.touch()
         probe.unlink()
     except OSError as e:
-        raise UserError(f"output_dir {path} is not writable ({e.strerror}): choose another --output_dir") from None
+        raise _not_writable(path, e) from None
     return path
+
+
+def _not_writable(path, error):
+    return UserError(f"output_dir {path} is not writable ({error.strerror}): choose another --output_dir")
 
 
 def raise_if_any(accelerator, problem):
@@ -241,8 +245,10 @@ def open_run(accelerator, cfg):
         try:
             Path(cfg.output_dir).mkdir(parents=True)  # fails if it exists: then it is not ours
             _run["created"] = Path(cfg.output_dir)
-        except OSError:
+        except FileExistsError:
             pass
+        except OSError as e:  # a parent that is a file, no permission, a full or read-only disk
+            raise _not_writable(cfg.output_dir, e) from None
     out = make_output_dir(cfg.output_dir)
     lock_output_dir(accelerator, out)
     checkpoint = choose_checkpoint(cfg.resume, out / "checkpoints", cfg.eval_only, restarted=elastic_restart())
