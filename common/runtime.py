@@ -84,12 +84,18 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
     return accelerator
 
 
+PATCHED_ON = "1.15."  # the Accelerate release whose internals _ask_for_lomo_once was measured on
+
+
 def _ask_for_lomo_once():
     """Accelerate 1.15's optimizer.step() asks importlib twice per step whether the lomo_optim
     package is installed, a cost that shows on small models (docs/performance.md). The answer
-    cannot change while the job runs, so remember it."""
-    check = accelerate.optimizer.is_lomo_available
-    if not hasattr(check, "cache_info"):
+    cannot change while the job runs, so remember it. Only on 1.15: another release may not ask,
+    or may ask something else under that name, so it runs as it is."""
+    if not accelerate.__version__.startswith(PATCHED_ON):
+        return
+    check = getattr(accelerate.optimizer, "is_lomo_available", None)
+    if check is not None and not hasattr(check, "cache_info"):
         accelerate.optimizer.is_lomo_available = functools.cache(check)
 
 
