@@ -35,7 +35,8 @@ import torch
 from accelerate.utils import broadcast
 
 from common.metrics import Throughput, TrainLoss, peak_memory_mb
-from common.runtime import catch_stop_signals, stop_requested, training_started
+from common.runtime import training_started
+from common.signals import stop_requested
 
 CHECK_EVERY = 10  # optimizer steps between looks for a nan loss and for Ctrl-C on any rank
 
@@ -83,7 +84,6 @@ class Progress:
 
     def start_epoch(self, batches):
         """Reset the epoch's meters. batches: what the loader yields (the rest, after a resume)."""
-        catch_stop_signals()  # before the DataLoader workers start: a forked one keeps the handlers
         training_started()
         self.losses = TrainLoss(self.accelerator.device, self.step)
         self.speed, self.window = Throughput(), Throughput()

@@ -36,6 +36,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ga
 from common.checkpoint import choose_checkpoint
 from common.config import ShowHelp, UserError, parse_config, save_config
 from common.metrics import MetricsLog
+from common.signals import stop_was_requested
 
 
 def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kwargs):
@@ -278,64 +279,6 @@ def _rank():
     return int(os.environ.get("RANK", "0"))
 
 
-def ignore_stop_signals(worker_id=None):
-    """A DataLoader worker_init_fn. A terminal's Ctrl-C reaches every process of the foreground
-    group, and torchrun stops a rank by signalling its whole process group: DataLoader workers
-    would get the signal too and die, ending the run before its checkpoint. So a worker leaves
-    the group: stop signals go to the training process, which polls for them (stop_requested),
-    checkpoints and then stops its workers itself. A worker still exits when its parent does."""
-    os.setpgid(0, 0)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def catch_stop_signals():
-    """From now on Ctrl-C and SIGTERM set the flag that stop_requested() reads. Call it before
-    the DataLoader workers start: a forked worker keeps the handler it was born with."""
-    _stop.install()
-
-
-class _StopRequest:
-    """Once training runs, Ctrl-C or SIGTERM sets a flag instead of killing the process
-    mid-step; a second Ctrl-C interrupts at once. Before that (start-up) they act as usual.
-
-    Under torchrun or accelerate launch, Ctrl-C reaches every worker and the launcher, which
-    then sends SIGTERM as well: that one only confirms the stop."""
-
-    def __init__(self):
-        self.requested = False
-        self.installed = False
-        self.interrupted = False
-
-    def install(self):
-        if not self.installed:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, self._handle)
-            self.installed = True
-
-    def _handle(self, signum, frame):
-        if signum == signal.SIGINT:
-            if self.interrupted:
-                raise KeyboardInterrupt
-            self.interrupted = True
-        self.requested = True
-
-
-_stop = _StopRequest()
-
-
-def stop_requested(accelerator, step, every=10):
-    """True on every rank once any rank got Ctrl-C or SIGTERM, checked every `every` steps.
-
-    Call it on all ranks after every optimizer step (it is a collective on those steps);
-    when it says True, save a checkpoint and leave the loop. The first call installs the
-    signal handlers."""
-    _stop.install()
-    if step % every:
-        return False
-    flag = torch.tensor(float(_stop.requested), device=accelerator.device)
-    return accelerator.reduce(flag, "max").item() > 0
-
-
 def elastic_restart():
     """True when torchrun restarted the workers after a failure (--max-restarts)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -358,8 +301,9 @@ def _stop_loader_workers():
 def run(main, config_class, argv=None):
     """Parse the config, call main(cfg), and turn user errors into one line and exit status 2.
 
-    Ctrl-C and SIGTERM only set a flag that the training loop polls (`stop_requested`), so
-    the recipe can write a checkpoint and exit cleanly on every rank (status 130).
+    Once the recipe calls common.signals.catch_stop_signals(), Ctrl-C and SIGTERM only set a flag
+    that the training loop polls, so it can write a checkpoint and exit cleanly on every rank
+    (status 130).
 
     A UserError (bad config, bad data) usually happens on every rank, so rank 0 prints it and
     the others wait a moment for the launcher to stop them.
@@ -390,7 +334,7 @@ def run(main, config_class, argv=None):
               flush=True)
         code = 2
     else:
-        code = 130 if _stop.requested else 0  # 128 + SIGINT: stopped early, but cleanly
+        code = 130 if stop_was_requested() else 0  # 128 + SIGINT: stopped early, but cleanly
     finally:
         # On the error path the traceback keeps main's locals (the DDP model) alive: drop them
         # before the process group goes, for the same reason as in close().

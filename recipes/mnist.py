@@ -32,9 +32,10 @@ from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import export_onnx
 from common.progress import Progress
-from common.runtime import build_accelerator, close, describe, ignore_stop_signals, open_run, run
+from common.runtime import build_accelerator, close, describe, open_run, run
 from common.runtime import start_logging, tracker
 from common.schedule import same_schedule
+from common.signals import catch_stop_signals, ignore_stop_signals
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
 OPTIMIZERS = {"adadelta": torch.optim.Adadelta, "adamw": torch.optim.AdamW}
@@ -259,6 +260,8 @@ def main(cfg):
         progress.load(state)
 
     # 5. Train, evaluating after every epoch.
+    if progress.epochs_left():  # from here Ctrl-C and SIGTERM stop at a checkpoint, every rank
+        catch_stop_signals()
     result = None
     while progress.epochs_left():
         epoch, lr = progress.epoch, scheduler.get_last_lr()[0]

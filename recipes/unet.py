@@ -33,6 +33,7 @@ from common.progress import Progress
 from common.runtime import build_accelerator, close, describe, open_run, run, start_logging
 from common.runtime import sync_batchnorm, tracker
 from common.schedule import fit_cosine
+from common.signals import catch_stop_signals
 from unet_data import IGNORE, MODES, load_data, value_count
 from unet_model import MIN_SIZE, UNet  # ADAPT: your model
 from unet_predict import PredictConfig, SegmentationWeights, fit_to_weights, image_panel, load_model
@@ -303,6 +304,8 @@ def main(cfg):
     stored = stored.metadata(recipe=NAME)
 
     # 5. Train, evaluating after every epoch.
+    if progress.epochs_left():  # from here Ctrl-C and SIGTERM stop at a checkpoint, every rank
+        catch_stop_signals()
     result = None
     while progress.epochs_left():
         epoch, lr = progress.epoch, optimizer.param_groups[0]["lr"]

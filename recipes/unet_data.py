@@ -23,7 +23,7 @@ from common.config import RunConfig, require, require_at_least
 from common.data import IMAGE_ERRORS, DataError, TableRows, cpus_per_process, load_splits
 from common.data import open_image, pad_to, require_one_batch_per_process, to_device
 from common.data import unreadable_image, worker_count
-from common.runtime import ignore_stop_signals
+from common.signals import ignore_stop_signals
 from common.sampler import bucket_loader
 from unet_model import MIN_SIZE, PAD_MULTIPLE
 
