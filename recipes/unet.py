@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
@@ -52,7 +53,7 @@ class Config(PredictConfig):  # + the data, class and predict settings it inheri
     base_channels: int = 64  # width of the first level, doubled at each of the 4 levels down
     bilinear: bool = False  # upsample by bilinear interpolation, not transposed convolutions
     sync_bn: bool = True  # BatchNorm statistics over all processes' batches (GPUs only)
-    channels_last: str = "auto"  # NHWC layout: faster fp16/bf16 convolutions; auto: on with CUDA
+    channels_last: Optional[bool] = None  # NHWC: faster fp16/bf16 convolutions; auto: on with CUDA
     # Augmentation: an image and its mask get the same resize (once, at decoding), crop and flips.
     image_size: int = 0  # resize to image_size x image_size; 0: keep the files' size (all alike)
     crop_size: int = 0  # training only: a random square crop after the resize; 0: no crop
@@ -77,8 +78,6 @@ class Config(PredictConfig):  # + the data, class and predict settings it inheri
         require(self.scheduler in ("cosine", "plateau"), f"scheduler must be cosine or plateau, "
                                                           f"got {self.scheduler!r}")
         require(0 <= self.hflip <= 1 and 0 <= self.vflip <= 1, "hflip and vflip are probabilities")
-        require(self.channels_last in ("auto", "true", "false"),
-                f"channels_last must be auto, true or false, got {self.channels_last!r}")
         for name in ("image_size", "crop_size"):
             require(getattr(self, name) == 0 or getattr(self, name) >= MIN_SIZE,
                     f"{name} must be 0 or at least {MIN_SIZE}: the U-Net halves the image 4 times")
@@ -106,7 +105,7 @@ def input_channels(mode):
 
 def prepare_input(x, cfg):
     x = x.float() / 255
-    return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last == "true" else x
+    return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
 
 
 # ADAPT: your augmentation of a training batch, where it is (the GPU if cached): uint8 images
@@ -259,8 +258,12 @@ def main(cfg):
     trained_flips = "h" * (cfg.hflip > 0) + "v" * (cfg.vflip > 0)  # what predict_flip may flip
     flips = weights.flips if weights and cfg.eval_only else trained_flips
     data = load_data(cfg, accelerator, input_channels, partial(augment, cfg=cfg), weights)
+    # What the data, weights and device decide, resolved before config.yaml records the settings.
+    # channels_last auto: on with CUDA; off on CPUs, where it measured 1.00x.
+    auto = cfg.channels_last is None
     cfg = replace(cfg, num_classes=data.num_classes, in_channels=data.in_channels,
-                  max_batch_pixels=data.max_batch_pixels)
+                  max_batch_pixels=data.max_batch_pixels, cache_images=data.cached,
+                  channels_last=accelerator.device.type == "cuda" if auto else cfg.channels_last)
     train_loader, val_loader = data.train_loader, data.val_loader
     metrics = start_logging(accelerator, cfg, NAME)
 
@@ -270,11 +273,8 @@ def main(cfg):
     if cfg.weights:
         load_weights(model, cfg.weights)
     model, norm = sync_batchnorm(model, accelerator, cfg.sync_bn)
-    auto = cfg.channels_last == "auto"  # on with CUDA; off on CPUs, where it measured 1.00x
-    layout = cfg.channels_last == "true" or (auto and accelerator.device.type == "cuda")
-    channels = f"channels_last {'on' if layout else 'off'}{' (auto)' * auto}"
-    cfg = replace(cfg, channels_last=str(layout).lower())
-    if layout:
+    channels = f"channels_last {'on' if cfg.channels_last else 'off'}{' (auto)' * auto}"
+    if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = make_optimizer(model, cfg.scaled_lr(accelerator.num_processes), cfg, accelerator)
     if cfg.bucket_by_size:  # bucketed loaders are sharded already: prepare() would deal them again
