@@ -1,7 +1,7 @@
 """Starting and stopping a run: the Accelerator, the output folder, user errors, a clean exit.
 
     def main(cfg):
-        accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed)
+        accelerator = accelerator_for(cfg)                # build_accelerator() with cfg's settings
         out, checkpoint = open_run(accelerator, cfg)      # output_dir, and what to resume from
         ...data...
         metrics = start_logging(accelerator, cfg, "mnist")  # config.yaml, trackers, metrics.jsonl
@@ -39,8 +39,9 @@ from common.metrics import MetricsLog
 from common.signals import stop_was_requested
 
 
-def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kwargs):
-    """An Accelerator whose process count is what the launcher asked for.
+def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, log_with="none", **kwargs):
+    """An Accelerator whose process count is what the launcher asked for, logging to the tracker
+    that the log_with setting names (checked first: see tracker()).
 
     Machine settings (processes, precision, machines) come from the accelerate config,
     never from here. Three things are decided here:
@@ -56,6 +57,7 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
       pin_memory=True: only a copy from pinned memory is truly asynchronous.
     """
     _ask_for_lomo_once()
+    log_with = tracker(log_with)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cpu_ddp = world_size > 1 and not torch.cuda.is_available()
     if cpu_ddp and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
@@ -75,6 +77,7 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed, non_blocking=True),
         # A rank that dies mid-collective brings the others down after this long, not never.
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))],
+        log_with=log_with,
         **kwargs,
     )
     if accelerator.num_processes != world_size:
@@ -86,6 +89,13 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
 
 
 PATCHED_ON = "1.15."  # the Accelerate release whose internals _ask_for_lomo_once was measured on
+
+
+def accelerator_for(cfg):
+    """build_accelerator() with a run's settings (a RunConfig): gradient_accumulation_steps, seed
+    (the data order), dist_timeout_s, log_with, and output_dir for the trackers' files."""
+    return build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s,
+                             cfg.log_with, project_dir=cfg.output_dir)
 
 
 def _ask_for_lomo_once():
@@ -272,7 +282,7 @@ def start_logging(accelerator, cfg, name):
     if accelerator.is_main_process and not cfg.eval_only:
         save_config(cfg, out / "config.yaml")
     accelerator.init_trackers(name, config=dataclasses.asdict(cfg))  # nothing unless log_with says so
-    return MetricsLog(out / "metrics.jsonl", accelerator.is_main_process)
+    return MetricsLog(out / "metrics.jsonl", accelerator.is_main_process, accelerator.num_processes)
 
 
 def _rank():

@@ -22,8 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from common.config import RunConfig, require, require_at_least
 from common.data import IMAGE_ERRORS, DataError, TableRows, cpus_per_process, load_splits
 from common.data import open_image, pad_to, require_one_batch_per_process, to_device
-from common.data import unreadable_image, worker_count
-from common.signals import ignore_stop_signals
+from common.data import seeded_loader, unreadable_image, worker_count
 from common.sampler import bucket_loader
 from unet_model import MIN_SIZE, PAD_MULTIPLE
 
@@ -422,19 +421,9 @@ def load_data(cfg, accelerator, input_channels, augment=None, weights=None):
     train_set, val_set = dataset(train_source, augment), dataset(val_source, None)
     pin = device.type == "cuda" and not cached  # non_blocking: the copy to the GPU does not wait
     known = (values, num_classes, input_size, channels)
-    if not cfg.bucket_by_size:
-        # Each loader has its own generator, so starting an epoch does not draw from the global
-        # RNG and a resumed run continues with the same random numbers as an uninterrupted one.
-        # Persistent workers: starting them every epoch costs seconds. collate_fn=tuple: the
-        # dataset returns whole batches.
-        def loader(dataset, batch_size, shuffle):
-            return DataLoader(dataset, batch_size, shuffle=shuffle, collate_fn=tuple,
-                              num_workers=workers, persistent_workers=workers > 0, pin_memory=pin,
-                              worker_init_fn=ignore_stop_signals,
-                              generator=torch.Generator().manual_seed(cfg.seed))
-
-        train = loader(train_set, cfg.batch_size, True)
-        val = loader(val_set, cfg.eval_batch_size, False)
+    if not cfg.bucket_by_size:  # each loader with its own generator: see seeded_loader
+        train = seeded_loader(train_set, cfg.batch_size, True, cfg.seed, workers, pin)
+        val = seeded_loader(val_set, cfg.eval_batch_size, False, cfg.seed, workers, pin)
         return SegmentationData(train, val, *known, 0, cfg.batch_size,
                                 f"{input_size[1]}x{input_size[0]}", reading, cached)
     # A budget of padded pixels per batch; validation gets eval_batch_size / batch_size times more.
