@@ -32,6 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from common.config import UserError
+from common.schedule import same_kind
 
 
 # What a full disk, a quota or a lost mount raise while a file is written: safetensors reports
@@ -97,9 +98,12 @@ def _strip_prefix(state, prefix):
 
 def load_weights(model, path):
     """Load weights saved by save_weights, or a torch.save'd state_dict (weights only, no code).
+    path None: nothing to load (a run that starts from the model as it is made).
 
     Keys written by DDP-era scripts (`module.` prefix) or torch.compile (`_orig_mod.`) are accepted.
     """
+    if path is None:
+        return
     path = Path(path)
     if not path.is_file():
         raise UserError(f"weights file {path} not found: check --weights")
@@ -271,8 +275,9 @@ def load_checkpoint(accelerator, path, recipe, data_order=None, same=None):
                 )
     for name, value in (same or {}).items():
         if state.get(name, 0) != value:
-            raise UserError(f"checkpoint {path} was written with {name} {state.get(name, 0)}, not {value}: "
-                            f"resume it with --{name} {state.get(name, 0)}, or start a new run")
+            had, value = _as_setting(state.get(name, 0)), _as_setting(value)
+            raise UserError(f"checkpoint {path} was written with {name} {had}, not {value}: "
+                            f"resume it with --{name} {had}, or start a new run")
     try:
         accelerator.load_state(path)  # tensors via safetensors / torch.load(weights_only=True)
     except (RuntimeError, OSError, ValueError, KeyError, SafetensorError, EOFError, pickle.UnpicklingError) as e:
@@ -283,4 +288,41 @@ def load_checkpoint(accelerator, path, recipe, data_order=None, same=None):
             f"or was saved with other model settings; resume from another checkpoint"
         ) from None
     accelerator.print(f"resumed from {path} (epoch {state.get('epoch')}, step {state.get('step')})")
+    return state
+
+
+def _as_setting(value):
+    """A value as the command line gives it: a list as 0,85,170."""
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+
+
+# Settings that decide what any checkpoint holds: it resumes only with the same values.
+SAME_ON_RESUME = ("ema_decay",)
+
+
+def save_training(accelerator, cfg, progress, scheduler, recipe, data_order, **extras):
+    """Every rank: a checkpoint of the run where `progress` is, under output_dir/checkpoints.
+
+    What it holds, besides Accelerate's state, is listed here once, and resume_training checks
+    and restores each: the recipe's name; the `data_order` settings (those that fix each rank's
+    batches); SAME_ON_RESUME; the recipe's `extras` (such as the U-Net's mask values), which a
+    resume needs the same; where the run is (Progress.state()); and the LR schedule."""
+    settings = {k: getattr(cfg, k) for k in (*data_order, *SAME_ON_RESUME)}
+    state = {"recipe": recipe, **settings, **extras, **progress.state(),
+             "scheduler": scheduler.state_dict()}
+    save_checkpoint(accelerator, progress.checkpoints, progress.step, state, cfg.keep_checkpoints)
+
+
+def resume_training(accelerator, path, cfg, progress, scheduler, recipe, data_order, **extras):
+    """Continue from what save_training wrote at `path`, with one line for each way it does
+    not fit this run: another recipe; for a mid-epoch checkpoint, other data_order settings or
+    another process count (eval_only reads any); other SAME_ON_RESUME settings or `extras`; a
+    schedule of another kind. Restores the prepared objects, `scheduler` and `progress`, and
+    returns trainer_state. Then common.schedule.fit_schedule fits the schedule to the plan."""
+    order = None if cfg.eval_only else {k: getattr(cfg, k) for k in data_order}
+    same = {**{k: getattr(cfg, k) for k in SAME_ON_RESUME}, **extras}
+    state = load_checkpoint(accelerator, path, recipe, order, same)
+    if not cfg.eval_only:  # evaluating steps no schedule
+        scheduler.load_state_dict(same_kind(scheduler, state["scheduler"], path))
+    progress.load(state)
     return state

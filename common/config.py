@@ -139,13 +139,17 @@ def _field_type(cls, f):
     return hint, False
 
 
-def _a(kind):
+def _a(kind, optional=False):
+    if kind is bool and optional:
+        return "a bool (true/false) or auto"
     return {int: "an int", float: "a float", str: "a string", bool: "a bool (true/false)"}[kind]
 
 
 def _convert(value, kind, optional, where):
-    """Convert a YAML value or a command-line string to the field's type, or raise ConfigError."""
-    if value is None or (isinstance(value, str) and optional and value.lower() in {"none", "null"}):
+    """Convert a YAML value or a command-line string to the field's type, or raise ConfigError.
+    An Optional[bool] takes auto (or none) too: None, which the recipe resolves when it runs."""
+    empty = {"none", "null", "auto"} if kind is bool else {"none", "null"}
+    if value is None or (isinstance(value, str) and optional and value.lower() in empty):
         if optional:
             return None
         raise ConfigError(f"{where} must be {_a(kind)}, not empty")
@@ -175,7 +179,7 @@ def _convert(value, kind, optional, where):
             return str(value)
     else:
         raise TypeError(f"config fields must be int, float, str or bool (or Optional), got {kind}")
-    raise ConfigError(f"{where} must be {_a(kind)}, got {value!r}")
+    raise ConfigError(f"{where} must be {_a(kind, optional)}, got {value!r}")
 
 
 def _split_argv(argv):
@@ -336,7 +340,8 @@ def help_text(cls):
         f"usage: python {_script(cls)} [--config FILE.yaml] [--name value ...]",
         "Settings: the defaults, then --config YAML, then the command line; machine settings: the "
         "accelerate config.",
-        "A BOOL alone (--smoke) means true; none clears a setting whose default is none.",
+        "A BOOL alone (--smoke) means true; none clears a setting whose default is none; auto leaves",
+        "a BOOL whose default is auto to the run, which decides from the data, weights and device.",
     ]
     shown = None
     for f in dataclasses.fields(cls):
@@ -348,9 +353,11 @@ def help_text(cls):
             heading = section or notes.get(first, ("", {}))[0] or f"{first.__name__}:"
             lines += ["", *textwrap.wrap(_for_users(heading), _WIDTH, break_on_hyphens=False)]
         comment = notes.get(last, ("", {}))[1].get(f.name, ("", None))[0]
-        kind, _ = _field_type(cls, f)
+        kind, optional = _field_type(cls, f)
         name = getattr(kind, "__name__", str(kind)).upper()
-        if f.default is not dataclasses.MISSING:
+        if f.default is None and kind is bool and optional:
+            default = "default: auto"
+        elif f.default is not dataclasses.MISSING:
             default = f"default: {_show(f.default)}"
         elif f.default_factory is not dataclasses.MISSING:
             default = f"default: {_show(f.default_factory())}"

@@ -8,6 +8,7 @@
     x, y = cached_tensors(splits["train"], ["image", "label"], decode)  # decode() once, then a file
     require_one_batch_per_process(len(train_set), batch_size, accelerator, "the train split")
     workers = worker_count(-1, accelerator.num_processes)  # DataLoader workers: 1 a core, <= 8
+    loader = seeded_loader(train_set, 64, True, seed, workers)  # for prepare() to shard
     TensorBatches(images, labels)       # a TensorDataset read a whole batch at a time
     x = random_shift(x, 2)              # augmentation: each image moved by up to 2 pixels
 
@@ -32,9 +33,10 @@ from urllib.parse import urlparse
 
 import torch
 from PIL import Image, UnidentifiedImageError
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from common.config import UserError
+from common.signals import ignore_stop_signals
 
 
 class DataError(UserError):
@@ -272,6 +274,19 @@ def worker_count(num_workers, processes):
     """num_workers; -1: a worker per CPU core of this process's share, less one for the process
     itself, at most 8 (an H100 machine's 16 cores: 8 workers gave 1.7x over 2, 14 no more)."""
     return num_workers if num_workers >= 0 else min(8, max(1, cpus_per_process(processes) - 1))
+
+
+def seeded_loader(dataset, batch_size, shuffle, seed, num_workers=0, pin_memory=False):
+    """A DataLoader as the recipes build theirs, for prepare() to shard. Its own generator:
+    starting an epoch draws nothing from the global RNG (dropout), so a resumed run goes on with
+    the same random numbers as an uninterrupted one. Persistent workers: starting them every
+    epoch costs seconds, and until worker_init_fn runs torch's handler lets SIGTERM kill one, so
+    a worker started once is exposed once; they leave Ctrl-C and SIGTERM to the training process
+    (ignore_stop_signals). collate_fn=tuple: the dataset returns whole batches."""
+    return DataLoader(dataset, batch_size, shuffle=shuffle, collate_fn=tuple,
+                      num_workers=num_workers, persistent_workers=num_workers > 0,
+                      pin_memory=pin_memory, worker_init_fn=ignore_stop_signals,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def to_device(tensor, device):

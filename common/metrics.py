@@ -93,15 +93,19 @@ class Throughput:
 
 class MetricsLog:
     """Appends one JSON object per line to output_dir/metrics.jsonl, on the main process only.
-    Each record also gets elapsed_s: seconds since this log was opened (the start of the run)."""
+    Each record also gets world_size (the process count, if given) and elapsed_s: seconds since
+    this log was opened (the start of the run)."""
 
-    def __init__(self, path, enabled):
+    def __init__(self, path, enabled, world_size=None):
         self.path = Path(path)
         self.enabled = enabled
+        self.world_size = world_size
         self.start = time.perf_counter()
 
     def write(self, **record):
         if self.enabled:
+            if self.world_size is not None:
+                record["world_size"] = self.world_size
             record["elapsed_s"] = round(time.perf_counter() - self.start, 2)
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -4,6 +4,7 @@
     if checkpoint:
         run.load(trainer_state)                        # epoch, batch in the epoch, step, best
     while run.epochs_left():
+        loader = run.rest_of_epoch(train_loader)      # set_epoch; a resumed epoch skips its start
         run.start_epoch(len(loader))
         for x, y in loader:
             with accelerator.accumulate(model):
@@ -35,7 +36,8 @@ import torch
 from accelerate.utils import broadcast
 
 from common.metrics import Throughput, TrainLoss, peak_memory_mb
-from common.runtime import catch_stop_signals, stop_requested, training_started
+from common.runtime import training_started
+from common.signals import stop_requested
 
 CHECK_EVERY = 10  # optimizer steps between looks for a nan loss and for Ctrl-C on any rank
 
@@ -81,9 +83,16 @@ class Progress:
         return (not self.cfg.eval_only and self.epoch <= self.epochs and self.step < self.max_steps
                 and not self.interrupted and not self.out_of_patience)
 
+    def rest_of_epoch(self, loader):
+        """The training `loader` in this epoch's order (set_epoch: new every epoch, the same on
+        every rank), less the batches that a run resumed mid-epoch has trained on already."""
+        loader.set_epoch(self.epoch)
+        if self.batches_done:
+            return self.accelerator.skip_first_batches(loader, self.batches_done)
+        return loader
+
     def start_epoch(self, batches):
         """Reset the epoch's meters. batches: what the loader yields (the rest, after a resume)."""
-        catch_stop_signals()  # before the DataLoader workers start: a forked one keeps the handlers
         training_started()
         self.losses = TrainLoss(self.accelerator.device, self.step)
         self.speed, self.window = Throughput(), Throughput()
@@ -159,6 +168,17 @@ class Progress:
             return False
         self.best, self.evals_since_best = value, 0
         return True
+
+    @property
+    def why_stopped(self):
+        """The line that ends a run stopped before its last epoch: by Ctrl-C or SIGTERM (and how
+        to go on), or by early stopping; None otherwise."""
+        if self.interrupted:
+            return f"stopped at step {self.step}; continue with --resume latest"
+        if self.out_of_patience:
+            return (f"stopped early: no better {self.metric} in {self.cfg.early_stop_patience} "
+                    f"evaluations")
+        return None
 
     @property
     def out_of_patience(self):

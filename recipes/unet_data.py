@@ -22,8 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from common.config import RunConfig, require, require_at_least
 from common.data import IMAGE_ERRORS, DataError, TableRows, cpus_per_process, load_splits
 from common.data import open_image, pad_to, require_one_batch_per_process, to_device
-from common.data import unreadable_image, worker_count
-from common.runtime import ignore_stop_signals
+from common.data import seeded_loader, unreadable_image, worker_count
 from common.sampler import bucket_loader
 from unet_model import MIN_SIZE, PAD_MULTIPLE
 
@@ -51,15 +50,13 @@ class SegmentationConfig(RunConfig):
     bucket_by_size: bool = False  # batches padded to their largest image, which loss and Dice skip
     max_batch_pixels: int = 0  # bucket_by_size: padded pixels per batch; 0: batch_size x largest
     # Decoding: once at start-up, into memory (a GPU's with CUDA), or at every read in workers.
-    cache_images: str = "auto"  # true, false, or auto: decode once if images + masks take <= 4 GiB
+    cache_images: Optional[bool] = None  # auto: decode once if images + masks take <= 4 GiB
 
     def validate(self):
         super().validate()
         require_at_least(self, 0, "num_classes", "max_batch_pixels")
         require(self.in_channels in (0, *MODES), f"in_channels must be 0 (from the images), 1, 2, "
                                                  f"3 or 4, got {self.in_channels}")
-        require(self.cache_images in ("auto", "true", "false"),
-                f"cache_images must be auto, true or false, got {self.cache_images!r}")
         require(0 < self.val_fraction < 1,
                 f"val_fraction must be between 0 and 1, got {self.val_fraction}")
         if self.mask_values:
@@ -375,6 +372,7 @@ class SegmentationData:
     batch: object  # for common.runtime.describe(): the batch size, or what a bucketed batch holds
     shapes: str  # the images' size, for the start-up line
     reading: str  # how the images are read: cached or decoded per read, for the start-up line
+    cached: bool  # cache_images as resolved: decoded once at start-up
 
     def __str__(self):
         sigmoid = " (one sigmoid output)" if self.num_classes == 1 else ""
@@ -401,7 +399,7 @@ def load_data(cfg, accelerator, input_channels, augment=None, weights=None):
     if input_size is not None:
         pixels = sum(map(len, sizes)) * input_size[0] * input_size[1]
     size_gb = (channels + 1) * pixels / 2**30  # uint8 channels and one byte of class per pixel
-    cached = {"true": True, "false": False}.get(cfg.cache_images, size_gb <= CACHE_BUDGET_GB)
+    cached = size_gb <= CACHE_BUDGET_GB if cfg.cache_images is None else cfg.cache_images
     device = accelerator.device
     workers = 0 if cached else worker_count(cfg.num_workers, accelerator.num_processes)
     if cached:
@@ -423,21 +421,11 @@ def load_data(cfg, accelerator, input_channels, augment=None, weights=None):
     train_set, val_set = dataset(train_source, augment), dataset(val_source, None)
     pin = device.type == "cuda" and not cached  # non_blocking: the copy to the GPU does not wait
     known = (values, num_classes, input_size, channels)
-    if not cfg.bucket_by_size:
-        # Each loader has its own generator, so starting an epoch does not draw from the global
-        # RNG and a resumed run continues with the same random numbers as an uninterrupted one.
-        # Persistent workers: starting them every epoch costs seconds. collate_fn=tuple: the
-        # dataset returns whole batches.
-        def loader(dataset, batch_size, shuffle):
-            return DataLoader(dataset, batch_size, shuffle=shuffle, collate_fn=tuple,
-                              num_workers=workers, persistent_workers=workers > 0, pin_memory=pin,
-                              worker_init_fn=ignore_stop_signals,
-                              generator=torch.Generator().manual_seed(cfg.seed))
-
-        train = loader(train_set, cfg.batch_size, True)
-        val = loader(val_set, cfg.eval_batch_size, False)
+    if not cfg.bucket_by_size:  # each loader with its own generator: see seeded_loader
+        train = seeded_loader(train_set, cfg.batch_size, True, cfg.seed, workers, pin)
+        val = seeded_loader(val_set, cfg.eval_batch_size, False, cfg.seed, workers, pin)
         return SegmentationData(train, val, *known, 0, cfg.batch_size,
-                                f"{input_size[1]}x{input_size[0]}", reading)
+                                f"{input_size[1]}x{input_size[0]}", reading, cached)
     # A budget of padded pixels per batch; validation gets eval_batch_size / batch_size times more.
     train_sizes, val_sizes = ([(padded(h), padded(w)) for h, w in part] for part in sizes)
     budget = cfg.max_batch_pixels or cfg.batch_size * max(h * w for h, w in train_sizes)
@@ -447,4 +435,4 @@ def load_data(cfg, accelerator, input_channels, augment=None, weights=None):
     val = bucket_loader(val_set, val_sizes, val_budget, accelerator, train=False,
                         collate_fn=tuple, num_workers=workers, pin_memory=pin)
     batch = f"batches of at most {budget} padded pixels per process"
-    return SegmentationData(train, val, *known, budget, batch, "their own sizes", reading)
+    return SegmentationData(train, val, *known, budget, batch, "their own sizes", reading, cached)

@@ -149,13 +149,6 @@ def fit_to_weights(cfg, weights, names):
     return cfg
 
 
-def require_same_classes(state, values, checkpoint):
-    """A checkpoint resumes only on data whose mask values map to the same classes."""
-    if state["mask_values"] != values:
-        raise DataError(f"checkpoint {checkpoint} maps mask values {state['mask_values']}, this "
-                        f"data {values}: set --mask_values to match, or start a new run")
-
-
 def tile_starts(size, tile):
     """Where the tiles along an image side of `size` pixels start: every `stride` pixels, a
     multiple of 16 so that each tile meets the U-Net's pooling grid where the whole image would,

@@ -31,7 +31,7 @@ for on_device in (True, False):
     train_loader = mnist.make_loaders(cfg, device)[0]
     loaders[f"mnist data_on_device {on_device}"] = accelerator.prepare(train_loader)
 # As the recipe's main() builds them.
-for bucketed, cache in itertools.product((False, True), ("true", "false")):
+for bucketed, cache in itertools.product((False, True), (True, False)):
     cfg = unet.Config(dataset=shapes_dir, batch_size=4, num_workers=2, bucket_by_size=bucketed,
                       cache_images=cache, vflip=0.5)
     augment = functools.partial(unet.augment, cfg=cfg)

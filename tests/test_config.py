@@ -113,6 +113,27 @@ def test_help_lists_every_field_with_its_default_and_comment(argv):
     assert [lines.index(line) for line in order] == sorted(lines.index(line) for line in order)
 
 
+def test_an_optional_bool_takes_auto_and_says_so_in_the_help(tmp_path):
+    @dataclass
+    class Layout:
+        channels_last: Optional[bool] = None  # auto: on with CUDA
+
+    assert parse_config(Layout, []).channels_last is None
+    for value, parsed in (("auto", None), ("AUTO", None), ("none", None), ("true", True), ("off", False)):
+        assert parse_config(Layout, ["--channels_last", value]).channels_last is parsed, value
+    assert parse_config(Layout, ["--channels_last"]).channels_last is True  # a bare flag: true
+    (tmp_path / "c.yaml").write_text("channels_last: auto\n")
+    assert parse_config(Layout, ["--config", str(tmp_path / "c.yaml")]).channels_last is None
+    (tmp_path / "c.yaml").write_text("channels_last: false\n")
+    assert parse_config(Layout, ["--config", str(tmp_path / "c.yaml")]).channels_last is False
+    with pytest.raises(ConfigError, match=re.escape("--channels_last must be a bool (true/false) or auto, "
+                                                    "got 'maybe'")):
+        parse_config(Layout, ["--channels_last", "maybe"])
+    with pytest.raises(ShowHelp) as e:
+        parse_config(Layout, ["--help"])
+    assert "  --channels_last BOOL (default: auto)  auto: on with CUDA" in str(e.value).splitlines()
+
+
 def test_help_without_the_source_still_lists_the_fields():
     made = dataclasses.make_dataclass("Made", [("n", int, 2), ("tag", Optional[str], None)])
     with pytest.raises(ShowHelp) as e:

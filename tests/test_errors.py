@@ -168,3 +168,25 @@ def test_a_launch_accelerate_would_run_as_independent_trainings_stops_with_one_l
         "error: distributed_type FSDP needs GPUs, and this machine has none: for several CPU processes use "
         "accelerate_configs/2gpu.yaml (DDP over gloo)"], res
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_dir_that_cannot_be_created_is_one_line_not_ignored(tmp_path, monkeypatch):
+    # Creating output_dir fails only with the error it means (it exists already: not this run's);
+    # any other, such as a disk full at that moment, stops the run where it happened.
+    from types import SimpleNamespace
+
+    from common import runtime
+    from common.config import UserError
+
+    real_mkdir = Path.mkdir
+
+    def full_once(self, *args, **kwargs):
+        monkeypatch.setattr(Path, "mkdir", real_mkdir)  # the next attempt would succeed
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "mkdir", full_once)
+    cfg = SimpleNamespace(output_dir=str(tmp_path / "run"), resume=None, eval_only=False)
+    with pytest.raises(UserError, match=r"^output_dir .*run is not writable \(No space left on device\): "
+                                        r"choose another --output_dir$"):
+        runtime.open_run(SimpleNamespace(is_main_process=True), cfg)
+    assert not (tmp_path / "run").exists()

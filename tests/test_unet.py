@@ -92,6 +92,8 @@ def test_single_process_learns_and_writes_the_output_contract(trained, shapes):
     # channels_last auto is off on a CPU; these images fit the cache (cache_images auto).
     assert ("; channels_last off (auto); images decoded once, 1 MB in cpu memory; 59 train"
             in res.output)
+    config = yaml.safe_load((out / "config.yaml").read_text())  # as resolved, not "auto"
+    assert (config["channels_last"], config["cache_images"]) == (False, True)
 
 
 @pytest.mark.slow
@@ -359,7 +361,7 @@ def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(u
     from unet_data import load_data
 
     cfg = unet.Config(dataset=str(recoloured(shapes, tmp_path / "rgba", "RGBA", 20)),
-                      val_fraction=0.2, cache_images="false", num_workers=0)
+                      val_fraction=0.2, cache_images=False, num_workers=0)
     data = load_data(cfg, build_accelerator(), unet.input_channels)
     x, _ = next(iter(data.train_loader))
     assert data.in_channels == 4 and x.shape[1] == 4 and x.dtype == torch.uint8
@@ -469,8 +471,8 @@ def test_bad_settings_are_rejected(unet):
         (["--predict", "x.png"], "predict needs weights"),
         (["--bucket_by_size", "true", "--image_size", "64"],
          "bucket_by_size trains on the images' own sizes"),
-        (["--channels_last", "yes"], "channels_last must be auto, true or false, got 'yes'"),
-        (["--cache_images", "1"], "cache_images must be auto, true or false, got '1'"),
+        (["--channels_last", "maybe"], "--channels_last must be a bool (true/false) or auto, got 'maybe'"),
+        (["--cache_images", "2"], "--cache_images must be a bool (true/false) or auto, got '2'"),
         (["--num_workers", "-2"], "num_workers must be at least -1, got -2"),
         (["--in_channels", "5"], "in_channels must be 0 (from the images), 1, 2, 3 or 4, got 5"),
     ]:
@@ -513,6 +515,9 @@ def test_stop_and_resume_is_bit_identical_with_crops_and_flips(shapes, tmp_path,
             "--epochs", 2, "--batch_size", 8, "--crop_size", 32, "--vflip", 0.5, "--cache_images",
             cache]
     assert_resume_is_bit_identical(args, tmp_path, stop_at=stop_at, steps=steps, nproc=nproc)
+    # config.yaml records the settings as the run resolved them: channels_last auto is off on CPUs.
+    config = yaml.safe_load((tmp_path / "straight" / "config.yaml").read_text())
+    assert (config["channels_last"], config["cache_images"]) == (False, cache == "true")
 
 
 def epoch_batches(unet, cfg, epoch):
@@ -532,11 +537,11 @@ def epoch_batches(unet, cfg, epoch):
 def test_cached_and_decoded_batches_are_identical_with_any_number_of_workers(unet, shapes):
     settings = dict(dataset=str(shapes), val_fraction=VAL_FRACTION, batch_size=8, crop_size=40,
                     vflip=0.5)
-    reading, cached = epoch_batches(unet, unet.Config(**settings, cache_images="true"), epoch=3)
+    reading, cached = epoch_batches(unet, unet.Config(**settings, cache_images=True), epoch=3)
     assert reading == "images decoded once, 1 MB in cpu memory"
     flipped = 0
     for workers in (0, 2, -1):  # -1, the default: one per CPU core less one, at most 8
-        streamed = unet.Config(**settings, cache_images="false", num_workers=workers)
+        streamed = unet.Config(**settings, cache_images=False, num_workers=workers)
         reading, decoded = epoch_batches(unet, streamed, 3)
         count = workers if workers >= 0 else min(8, max(1, len(os.sched_getaffinity(0)) - 1))
         where = (f"by {count} DataLoader worker(s) per process" if count
@@ -546,7 +551,7 @@ def test_cached_and_decoded_batches_are_identical_with_any_number_of_workers(une
         for (x, y), (x2, y2) in zip(cached, decoded):
             assert x.dtype == torch.uint8 and x.shape[1:] == (3, 40, 40) and y.dtype == torch.int64
             assert torch.equal(x, x2) and torch.equal(y, y2)
-    _, other_epoch = epoch_batches(unet, unet.Config(**settings, cache_images="true"), epoch=4)
+    _, other_epoch = epoch_batches(unet, unet.Config(**settings, cache_images=True), epoch=4)
     # New crops every epoch.
     assert not all(torch.equal(a[0], b[0]) for a, b in zip(cached, other_epoch))
 
