@@ -1,4 +1,4 @@
-"""Import a recipe file as a module, for the tests, the probes they launch and scripts/bench.py.
+"""Import a recipe file as a module, for the tests and the probes they launch.
 
     from recipe_module import load_recipe
     unet = load_recipe("unet")      # recipes/unet.py: its Config, loaders, model, evaluate ...
