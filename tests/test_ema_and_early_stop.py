@@ -2,7 +2,6 @@
 both resume exactly, and every rank stops after the same evaluation. The early-stopping run
 also logs to TensorBoard, read back here."""
 
-import json
 import shutil
 
 import pytest
@@ -10,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from common.config import ConfigError, parse_config
-from conftest import assert_ok, launch, make_shapes, read_metrics, stopped_at
+from conftest import assert_ema_is_evaluated_and_followed, assert_ok, launch, make_shapes, read_metrics
+from conftest import stopped_at
 from recipe_module import load_recipe
 
 MNIST = "recipes/mnist.py"
@@ -31,25 +31,19 @@ def assert_identical(a, b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, steps", [(1, 10), (2, 7)])  # one whole epoch, then part of the next
-def test_the_moving_average_resumes_bit_identically(tiny_mnist, tmp_path, nproc, steps):
+def test_the_moving_average_resumes_bit_identically(tiny_mnist, tmp_path):
+    # One process, one whole epoch and part of the next. On 2 processes: test_resume.py's
+    # test_two_process_resume_is_exact_too_with_the_moving_average, one run for both.
     straight, split = tmp_path / "straight", tmp_path / "split"
     ema = ["--ema_decay", 0.9]
-    train(tiny_mnist, straight, *ema, "--max_steps", steps, "--checkpoint_every_steps", 3, "--keep_checkpoints", 5,
-          nproc=nproc)
+    train(tiny_mnist, straight, *ema, "--max_steps", 10, "--checkpoint_every_steps", 3,
+          "--keep_checkpoints", 5)
     stopped_at(straight, 3, split)  # mid-epoch 1
-    res = train(tiny_mnist, split, *ema, "--max_steps", steps, "--resume", "latest", nproc=nproc)
+    res = train(tiny_mnist, split, *ema, "--max_steps", 10, "--resume", "latest")
     assert "(epoch 1, step 3)" in res.output
     for name in ("model.safetensors", "model_ema.safetensors"):
         assert_identical(load_file(straight / name), load_file(split / name))
-    # The average is not the model, and it is evaluated and followed for `best`.
-    model, averaged = load_file(straight / "model.safetensors"), load_file(straight / "model_ema.safetensors")
-    assert not torch.equal(model["fc2.weight"], averaged["fc2.weight"])
-    rows = read_metrics(straight)
-    assert all(r["ema_eval_samples"] == r["eval_samples"] == 1001 and 0 < r["ema_accuracy"] <= 1 for r in rows)
-    complete = [r["ema_accuracy"] for r in rows if r["step"] % (8 // nproc) == 0]  # whole epochs
-    state = json.loads((straight / "checkpoints" / f"step-{steps:08d}" / "trainer_state.json").read_text())
-    assert state["ema_decay"] == 0.9 and state["best_ema_accuracy"] == max(complete)
+    assert_ema_is_evaluated_and_followed(straight, steps=10, steps_per_epoch=8)
 
 
 @pytest.mark.slow

@@ -145,9 +145,12 @@ def test_two_processes_print_a_user_error_once(tiny_mnist, tmp_path):
 @pytest.mark.parametrize("mode", ["raise", "hang"])
 def test_a_failing_rank_brings_the_job_down_quickly(mode):
     # "raise": the launcher sees rank 1 die and stops rank 0, which is waiting in a collective.
-    # "hang": nothing dies; rank 0's collective times out after dist timeout (10 s here).
+    # "hang": nothing dies; rank 0's collective times out after dist timeout (4 s here: both
+    # ranks have met in the process group's rendezvous before the first collective, and the
+    # timeout covers that rendezvous too, so "raise", which never waits for it, keeps 10 s).
     start = time.monotonic()
-    res = launch(["tests/rank_failure_probe.py", mode, 10], nproc=2, timeout=120)
+    res = launch(["tests/rank_failure_probe.py", mode, 4 if mode == "hang" else 10], nproc=2,
+                 timeout=120)
     assert res.returncode != 0
     if mode == "raise":
         assert "rank 1 failed at step 3 (planted by the test)" in res.output, res

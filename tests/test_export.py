@@ -146,25 +146,24 @@ def test_unet_predict_from_onnx_writes_the_same_masks(unet_onnx, unet_weights, t
 @pytest.mark.slow
 def test_unet_export_without_data_checks_random_inputs_of_the_stored_size(unet_weights, tmp_path):
     # Weights from data that is not here, and no --dataset: the check runs on random pixels of
-    # the size the weights store (64x64 for weights of images at their own sizes), and says so.
+    # the size the weights store, and says so. Here weights of images at their own sizes, which
+    # store none: 64x64. Weights that store one: test_the_unet_check_sees_validation_images...
     from safetensors.torch import load_file, save_file
 
     native = tmp_path / "native.safetensors"
     stored = SegmentationWeights.read(unet_weights[1])
     stored.input_size = None
     save_file(load_file(unet_weights[1]), native, stored.metadata(recipe="unet"))
-    for weights, sizes in [(unet_weights[1], ["4x3x48x48", "1x3x64x80"]),
-                           (native, ["4x3x64x64", "1x3x80x96"])]:
-        # Run where no data/shapes is, as a user who copied only the weights.
-        res = subprocess.run([sys.executable, REPO / UNET, "--export", "onnx", "--weights",
-                              weights], cwd=tmp_path, capture_output=True, text=True,
-                             env={**os.environ, "ACCELERATE_USE_CPU": "1", **ONE_THREAD})
-        output = res.stdout + res.stderr
-        assert res.returncode == 0 and WROTE.search(output), output
-        path, worst, shapes, what = WROTE.search(output).groups()
-        assert path == str(weights.with_suffix(".onnx")) and float(worst) <= 1e-4, output
-        assert shapes.split(", ") == sizes
-        assert what == "random pixels: no --dataset, data/shapes is not made"
+    # Run where no data/shapes is, as a user who copied only the weights.
+    res = subprocess.run([sys.executable, REPO / UNET, "--export", "onnx", "--weights", native],
+                         cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "ACCELERATE_USE_CPU": "1", **ONE_THREAD})
+    output = res.stdout + res.stderr
+    assert res.returncode == 0 and WROTE.search(output), output
+    path, worst, shapes, what = WROTE.search(output).groups()
+    assert path == str(native.with_suffix(".onnx")) and float(worst) <= 1e-4, output
+    assert shapes.split(", ") == ["4x3x64x64", "1x3x80x96"]
+    assert what == "random pixels: no --dataset, data/shapes is not made"
 
 
 def hide(tmp_path, package):
@@ -242,7 +241,7 @@ def test_an_export_that_differs_from_torch_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights):
+def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights, tmp_path, monkeypatch):
     data, _ = unet_weights
     unet = load_recipe("unet")
     cfg = parse_config(unet.Config, ["--dataset", str(data), *map(str, UNET_DATA)])
@@ -251,5 +250,12 @@ def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights):
         weights = SegmentationWeights({}, [0, 85, 170, 255], input_size)
         images, what = sample_images(cfg, weights)
         x, y = (unet.prepare_input(t, cfg) for t in images)
-        assert (x.shape, y.shape) == (first, second)
+        assert (x.shape, y.shape) == (first, second) and what == f"images of {data}"
         assert x.dtype == torch.float32 and 0 <= x.min() < x.max() <= 1
+    # No --dataset where data/shapes is not made: random pixels of the size the weights store.
+    monkeypatch.chdir(tmp_path)
+    weights = SegmentationWeights.read(unet_weights[1])
+    images, what = sample_images(parse_config(unet.Config, []), weights)
+    assert [tuple(t.shape) for t in images] == [(4, 3, 48, 48), (1, 3, 64, 80)]
+    assert images[0].dtype == torch.uint8
+    assert what == "random pixels: no --dataset, data/shapes is not made"

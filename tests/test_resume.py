@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from common.checkpoint import _WROTE, choose_checkpoint
 from common.config import UserError
-from conftest import BIN, REPO, N_TEST, assert_ok, free_port, launch, read_metrics, stopped_at
+from conftest import BIN, REPO, N_TEST, assert_ema_is_evaluated_and_followed, assert_ok, free_port
+from conftest import launch, read_metrics, stopped_at
 
 RECIPE = "recipes/mnist.py"
 # 256 train samples, batch 32: 8 optimizer steps per epoch on 1 process, 4 on 2.
@@ -90,14 +91,20 @@ def test_resume_with_gradient_accumulation_is_exact(tiny_mnist, tmp_path):
     assert_identical(weights(straight), weights(split))
 
 
-def test_two_process_resume_is_exact_too(tiny_mnist, tmp_path):
+def test_two_process_resume_is_exact_too_with_the_moving_average(tiny_mnist, tmp_path):
+    # The moving average of the weights (ema_decay) is on: one run proves both resume exactly.
+    # 1-process resume without it: above; 2-process runs without it resume in test_faults.py.
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train(tiny_mnist, straight, "--max_steps", 7, "--checkpoint_every_steps", 3, "--keep_checkpoints", 5, nproc=2)
+    args = ["--ema_decay", 0.9, "--max_steps", 7]  # 4 steps an epoch on 2 processes
+    train(tiny_mnist, straight, *args, "--checkpoint_every_steps", 3, "--keep_checkpoints", 5, nproc=2)
     stopped_at(straight, 3, split)  # mid-epoch 1: each rank skips its own 3 batches
     assert (split / "checkpoints" / "step-00000003" / "random_states_1.pkl").is_file()
-    res = train(tiny_mnist, split, "--max_steps", 7, "--resume", "latest", nproc=2)
+    res = train(tiny_mnist, split, *args, "--resume", "latest", nproc=2)
     assert "(epoch 1, step 3)" in res.output
     assert_identical(weights(straight), weights(split))
+    assert_identical(*(load_file(out / "model_ema.safetensors") for out in (straight, split)))
+    assert_ema_is_evaluated_and_followed(straight, steps=7, steps_per_epoch=4)
+
 
 
 @pytest.mark.slow
@@ -236,15 +243,22 @@ def test_loading_a_checkpoint_never_runs_code(tiny_mnist, mnist_checkpoint, tmp_
 
 
 @pytest.mark.slow
-def test_old_ddp_checkpoint_with_module_prefix_loads(tiny_mnist, mnist_checkpoint, tmp_path):
+def test_old_ddp_checkpoint_with_module_prefix_loads(mnist_checkpoint, tmp_path):
+    # What --weights does with a file of a DDP-era script (a `module.` prefix, torch.save) or of
+    # a compiled model (`_orig_mod.`), checked in-process: the same tensors, bit for bit. The
+    # launch with --weights is test_mnist.py's test_eval_is_identical_on_one_and_two_processes.
+    from common.checkpoint import load_weights
+    from common.config import parse_config
+    from recipe_module import load_recipe
+
+    mnist = load_recipe("mnist")
     state = weights(mnist_checkpoint)
-    torch.save({"module." + k: v for k, v in state.items()}, tmp_path / "ddp_era.pt")
-    accuracies = []
-    for w in (mnist_checkpoint / "model.safetensors", tmp_path / "ddp_era.pt"):
-        out = tmp_path / f"eval_{w.stem}"
-        assert_ok(launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, "--eval_only", "--weights", w]))
-        accuracies.append(read_metrics(out)[0]["accuracy"])
-    assert accuracies[0] == accuracies[1]
+    for prefix, name in (("module.", "ddp_era.pt"), ("_orig_mod.", "compiled.pt")):
+        torch.save({prefix + k: v for k, v in state.items()}, tmp_path / name)
+        cfg = parse_config(mnist.Config, ["--eval_only", "--weights", str(tmp_path / name)])
+        model = mnist.BasicNet()
+        load_weights(model, cfg.weights)
+        assert_identical(model.state_dict(), state)
 
 
 def _wait_for(predicate, proc, timeout=120):

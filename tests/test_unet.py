@@ -539,7 +539,6 @@ def test_cached_and_decoded_batches_are_identical_with_any_number_of_workers(une
                     vflip=0.5)
     reading, cached = epoch_batches(unet, unet.Config(**settings, cache_images=True), epoch=3)
     assert reading == "images decoded once, 1 MB in cpu memory"
-    flipped = 0
     for workers in (0, 2, -1):  # -1, the default: one per CPU core less one, at most 8
         streamed = unet.Config(**settings, cache_images=False, num_workers=workers)
         reading, decoded = epoch_batches(unet, streamed, 3)
