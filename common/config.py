@@ -39,10 +39,8 @@ import yaml
 
 
 class UserError(Exception):
-    """Bad input from the user. The message is one line that names the problem and the fix.
-
-    `common.runtime.run` prints it once, without a traceback, and exits with status 2.
-    """
+    """Bad input from the user: one line that names the problem and the fix, which
+    `common.runtime.run` prints once, without a traceback, exiting with status 2."""
 
 
 class ConfigError(UserError):
@@ -50,10 +48,8 @@ class ConfigError(UserError):
 
 
 class ShowHelp(Exception):
-    """`-h` or `--help` was given; str() is the help text (help_text).
-
-    Not a UserError: `common.runtime.run` prints it and exits with status 0.
-    """
+    """`-h` or `--help` was given; str() is the help text (help_text). Not a UserError:
+    `common.runtime.run` prints it and exits with status 0."""
 
 
 # Names that users bring from pytorch/examples, the Hugging Face scripts and Trainer, and
@@ -389,11 +385,9 @@ def require_at_least(cfg, minimum, *names):
 @dataclass
 class RunConfig:
     """The settings that every recipe shares: how long to train, checkpoints, modes, logging.
-
     A recipe's Config subclasses it and adds its own fields (data, model, optimizer), which
     must include epochs, batch_size, eval_batch_size, lr, seed and num_workers. A field
-    declared again in the recipe takes the recipe's default.
-    """
+    declared again in the recipe takes the recipe's default."""
 
     gradient_accumulation_steps: int = 1  # optimizer step every N batches
     scale_lr: bool = False  # multiply lr by processes x accumulation steps (linear scaling rule)
