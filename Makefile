@@ -44,10 +44,10 @@ demo-ddp: $(BIN)/.installed  ## the MNIST demo with 2 processes (2 GPUs, or 2 CP
 	$(BIN)/accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py \
 		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)-ddp
 
-test: $(BIN)/.installed  ## the fast tier: every contract the README claims, real launches (~3 min on 2 cores)
+test: $(BIN)/.installed  ## the fast tier: every contract the README claims, real launches (~2 min on 2 cores)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
-test-full: $(BIN)/.installed  ## every test, the fast tier and the slow one: what CI runs (~12 min on 2 cores)
+test-full: $(BIN)/.installed  ## every test, the fast tier and the slow one: what CI runs (~11.5 min on 2 cores)
 	$(BIN)/python -m pytest -q tests
 
 stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean exits
