@@ -115,12 +115,15 @@ def assert_ema_is_evaluated_and_followed(out, steps, steps_per_epoch):
     import torch
     from safetensors.torch import load_file
 
-    model, averaged = (load_file(Path(out) / name) for name in ("model.safetensors", "model_ema.safetensors"))
+    model, averaged = (load_file(Path(out) / f"{name}.safetensors")
+                       for name in ("model", "model_ema"))
     assert not torch.equal(model["fc2.weight"], averaged["fc2.weight"])
     rows = read_metrics(out)
-    assert all(r["ema_eval_samples"] == r["eval_samples"] == N_TEST and 0 < r["ema_accuracy"] <= 1 for r in rows)
+    assert all(r["ema_eval_samples"] == r["eval_samples"] == N_TEST and 0 < r["ema_accuracy"] <= 1
+               for r in rows)
     complete = [r["ema_accuracy"] for r in rows if r["step"] % steps_per_epoch == 0]  # whole epochs
-    state = json.loads((Path(out) / "checkpoints" / f"step-{steps:08d}" / "trainer_state.json").read_text())
+    state = Path(out) / "checkpoints" / f"step-{steps:08d}" / "trainer_state.json"
+    state = json.loads(state.read_text())
     assert state["ema_decay"] == 0.9 and state["best_ema_accuracy"] == max(complete)
 
 

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from common.config import ConfigError, parse_config
-from conftest import assert_ema_is_evaluated_and_followed, assert_ok, launch, make_shapes, read_metrics
-from conftest import stopped_at
+from conftest import assert_ema_is_evaluated_and_followed, assert_ok, launch, make_shapes
+from conftest import read_metrics, stopped_at
 from recipe_module import load_recipe
 
 MNIST = "recipes/mnist.py"

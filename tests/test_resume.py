@@ -96,7 +96,8 @@ def test_two_process_resume_is_exact_too_with_the_moving_average(tiny_mnist, tmp
     # 1-process resume without it: above; 2-process runs without it resume in test_faults.py.
     straight, split = tmp_path / "straight", tmp_path / "split"
     args = ["--ema_decay", 0.9, "--max_steps", 7]  # 4 steps an epoch on 2 processes
-    train(tiny_mnist, straight, *args, "--checkpoint_every_steps", 3, "--keep_checkpoints", 5, nproc=2)
+    train(tiny_mnist, straight, *args, "--checkpoint_every_steps", 3, "--keep_checkpoints", 5,
+          nproc=2)
     stopped_at(straight, 3, split)  # mid-epoch 1: each rank skips its own 3 batches
     assert (split / "checkpoints" / "step-00000003" / "random_states_1.pkl").is_file()
     res = train(tiny_mnist, split, *args, "--resume", "latest", nproc=2)
@@ -104,7 +105,6 @@ def test_two_process_resume_is_exact_too_with_the_moving_average(tiny_mnist, tmp
     assert_identical(weights(straight), weights(split))
     assert_identical(*(load_file(out / "model_ema.safetensors") for out in (straight, split)))
     assert_ema_is_evaluated_and_followed(straight, steps=7, steps_per_epoch=4)
-
 
 
 @pytest.mark.slow
