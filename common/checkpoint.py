@@ -34,7 +34,6 @@ from safetensors.torch import load_file, save_file
 from common.config import UserError
 from common.schedule import same_kind
 
-
 # What a full disk, a quota or a lost mount raise while a file is written: safetensors reports
 # an I/O error as SafetensorError, torch.save as RuntimeError ("file write failed").
 WRITE_ERRORS = (OSError, SafetensorError, RuntimeError)
@@ -60,11 +59,15 @@ def _stop_on_write_error(accelerator, problem, path, root=None, partial=None):
     problems = [p for p in gather_object([problem]) if p]
     if problems:
         if partial is not None and accelerator.is_main_process:
-            shutil.rmtree(partial, ignore_errors=True) if partial.is_dir() else partial.unlink(missing_ok=True)
+            shutil.rmtree(partial, ignore_errors=True) if partial.is_dir() else partial.unlink(
+                missing_ok=True
+            )
         found = list_checkpoints(root) if root else []
         last = f"; --resume latest goes on from {found[-1]}" if found else ""
-        raise UserError(f"cannot write {path} ({problems[0]}): free some space, or choose another "
-                        f"--output_dir{last}")
+        raise UserError(
+            f"cannot write {path} ({problems[0]}): free some space, or choose another "
+            f"--output_dir{last}"
+        )
 
 
 def save_weights(accelerator, model, path, metadata=None):
@@ -77,7 +80,9 @@ def save_weights(accelerator, model, path, metadata=None):
         # (Accelerate 1.15) re-points the wrapper at the bare model: DDP would drop out of the
         # module tree that training goes on using, and its keys would carry `_orig_mod.`.
         model = model._orig_mod
-    state = accelerator.get_state_dict(model)  # collective under FSDP/DeepSpeed: every rank calls it
+    state = accelerator.get_state_dict(
+        model
+    )  # collective under FSDP/DeepSpeed: every rank calls it
     path, problem = Path(path), None
     tmp = path.with_name(path.name + ".tmp")
     if accelerator.is_main_process:
@@ -115,7 +120,9 @@ def load_weights(model, path):
             if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
                 state = state["model"]
     except (SafetensorError, RuntimeError, EOFError, OSError) as e:
-        raise UserError(f"cannot read weights file {path} ({str(e).splitlines()[0]}): it is truncated or not a weights file") from None
+        raise UserError(
+            f"cannot read weights file {path} ({str(e).splitlines()[0]}): it is truncated or not a weights file"
+        ) from None
     state = _strip_prefix(_strip_prefix(state, "module."), "_orig_mod.")
     own = model.state_dict()
     missing, unexpected = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
@@ -123,14 +130,22 @@ def load_weights(model, path):
     if missing or unexpected or resized:
         if resized:
             k = resized[0]
-            problem = (f"{len(resized)} tensors have other shapes, such as {k}: {list(state[k].shape)} in the "
-                       f"file, {list(own[k].shape)} in the model")
+            problem = (
+                f"{len(resized)} tensors have other shapes, such as {k}: {list(state[k].shape)} in the "
+                f"file, {list(own[k].shape)} in the model"
+            )
         else:
             problem = f"{len(missing)} of the model's {len(own)} tensors are missing"
             problem += f", such as {missing[0]}" if missing else ""
-            problem += f"; {len(unexpected)} are not the model's, such as {unexpected[0]}" if unexpected else ""
-        raise UserError(f"weights in {path} do not fit this model ({problem}): were they saved by another recipe "
-                        f"or with other model settings?")
+            problem += (
+                f"; {len(unexpected)} are not the model's, such as {unexpected[0]}"
+                if unexpected
+                else ""
+            )
+        raise UserError(
+            f"weights in {path} do not fit this model ({problem}): were they saved by another recipe "
+            f"or with other model settings?"
+        )
     model.load_state_dict(state)
 
 
@@ -142,7 +157,9 @@ def list_checkpoints(root):
     root = Path(root)
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if _NAME.match(p.name) and (p / "trainer_state.json").is_file()]
+    done = [
+        p for p in root.iterdir() if _NAME.match(p.name) and (p / "trainer_state.json").is_file()
+    ]
     return sorted(done, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
@@ -156,8 +173,12 @@ def _job_store():
         return None
     import torch.distributed as dist
 
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=datetime.timedelta(seconds=60))
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
 
 
 def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
@@ -185,7 +206,9 @@ def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
     except WRITE_ERRORS as e:
         problem = _why(e, root)
-    _stop_on_write_error(accelerator, problem, final, root, partial=tmp)  # and the barrier before the rename
+    _stop_on_write_error(
+        accelerator, problem, final, root, partial=tmp
+    )  # and the barrier before the rename
     if accelerator.is_main_process:
         aside = root / f".old-{final.name}"
         if final.exists():  # the same step again (an epoch end that is also a periodic checkpoint)
@@ -222,22 +245,35 @@ def choose_checkpoint(resume, root, eval_only=False, restarted=False):
             return root / store.get(_WROTE).decode()
     if resume is None:
         if found and not eval_only:
-            raise UserError(f"{root.parent} holds checkpoints of an earlier run: add --resume latest, "
-                            f"or pick another --output_dir")
+            raise UserError(
+                f"{root.parent} holds checkpoints of an earlier run: add --resume latest, "
+                f"or pick another --output_dir"
+            )
         return None
     if resume == "latest":
         if not found and eval_only:
-            raise UserError(f"eval_only found no checkpoint in {root} to evaluate: "
-                            f"pass --resume with a checkpoint folder, or --weights FILE")
+            raise UserError(
+                f"eval_only found no checkpoint in {root} to evaluate: "
+                f"pass --resume with a checkpoint folder, or --weights FILE"
+            )
         return found[-1] if found else None
     path = Path(resume)
     if not path.is_dir():
-        raise UserError(f"resume checkpoint {path} not found: pass --resume latest or a folder under {root}")
-    if not eval_only and found and path.resolve().parent == root.resolve() and found[-1].resolve() != path.resolve():
+        raise UserError(
+            f"resume checkpoint {path} not found: pass --resume latest or a folder under {root}"
+        )
+    if (
+        not eval_only
+        and found
+        and path.resolve().parent == root.resolve()
+        and found[-1].resolve() != path.resolve()
+    ):
         # Going on here would mix two histories: the newer checkpoints would outrank the new
         # ones, for --resume latest and for keep_checkpoints, which would delete the new ones.
-        raise UserError(f"{path} is older than {found[-1].name} in the same folder: to go on from it, train into "
-                        f"another folder (--resume {path} --output_dir NEW_DIR)")
+        raise UserError(
+            f"{path} is older than {found[-1].name} in the same folder: to go on from it, train into "
+            f"another folder (--resume {path} --output_dir NEW_DIR)"
+        )
     return path
 
 
@@ -254,13 +290,17 @@ def load_checkpoint(accelerator, path, recipe, data_order=None, same=None):
     path = Path(path)
     state_file = path / "trainer_state.json"
     if not state_file.is_file():
-        raise UserError(f"{path} is not a complete checkpoint (no trainer_state.json): pass another --resume")
+        raise UserError(
+            f"{path} is not a complete checkpoint (no trainer_state.json): pass another --resume"
+        )
     try:
         state = json.loads(state_file.read_text())
     except json.JSONDecodeError:
         raise UserError(f"{state_file} is corrupt: resume from an earlier checkpoint") from None
     if state.get("recipe") != recipe:
-        raise UserError(f"checkpoint {path} was written by the {state.get('recipe')} recipe, not {recipe}")
+        raise UserError(
+            f"checkpoint {path} was written by the {state.get('recipe')} recipe, not {recipe}"
+        )
     if state.get("batches_done"):
         if state.get("world_size") != accelerator.num_processes:
             raise UserError(
@@ -276,13 +316,27 @@ def load_checkpoint(accelerator, path, recipe, data_order=None, same=None):
     for name, value in (same or {}).items():
         if state.get(name, 0) != value:
             had, value = _as_setting(state.get(name, 0)), _as_setting(value)
-            raise UserError(f"checkpoint {path} was written with {name} {had}, not {value}: "
-                            f"resume it with --{name} {had}, or start a new run")
+            raise UserError(
+                f"checkpoint {path} was written with {name} {had}, not {value}: "
+                f"resume it with --{name} {had}, or start a new run"
+            )
     try:
         accelerator.load_state(path)  # tensors via safetensors / torch.load(weights_only=True)
-    except (RuntimeError, OSError, ValueError, KeyError, SafetensorError, EOFError, pickle.UnpicklingError) as e:
+    except (
+        RuntimeError,
+        OSError,
+        ValueError,
+        KeyError,
+        SafetensorError,
+        EOFError,
+        pickle.UnpicklingError,
+    ) as e:
         # The first line that says something: torch's load_state_dict starts with "Error(s) in loading ...".
-        first = [line.strip() for line in str(e).splitlines() if line.strip() and "Error(s) in" not in line][:1]
+        first = [
+            line.strip()
+            for line in str(e).splitlines()
+            if line.strip() and "Error(s) in" not in line
+        ][:1]
         raise UserError(
             f"cannot load checkpoint {path} ({first[0][:200] if first else type(e).__name__}): it is truncated "
             f"or was saved with other model settings; resume from another checkpoint"
@@ -308,8 +362,13 @@ def save_training(accelerator, cfg, progress, scheduler, recipe, data_order, **e
     batches); SAME_ON_RESUME; the recipe's `extras` (such as the U-Net's mask values), which a
     resume needs the same; where the run is (Progress.state()); and the LR schedule."""
     settings = {k: getattr(cfg, k) for k in (*data_order, *SAME_ON_RESUME)}
-    state = {"recipe": recipe, **settings, **extras, **progress.state(),
-             "scheduler": scheduler.state_dict()}
+    state = {
+        "recipe": recipe,
+        **settings,
+        **extras,
+        **progress.state(),
+        "scheduler": scheduler.state_dict(),
+    }
     save_checkpoint(accelerator, progress.checkpoints, progress.step, state, cfg.keep_checkpoints)
 
 

@@ -33,7 +33,6 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -58,14 +57,17 @@ class ShowHelp(Exception):
 # turned "-" into "_", so --test-batch-size arrives here as test_batch_size.
 ALIASES = {
     # batch sizes
-    **dict.fromkeys(["test_batch_size", "val_batch_size", "valid_batch_size",
-                     "per_device_eval_batch_size"], "eval_batch_size"),
+    **dict.fromkeys(
+        ["test_batch_size", "val_batch_size", "valid_batch_size", "per_device_eval_batch_size"],
+        "eval_batch_size",
+    ),
     **dict.fromkeys(["train_batch_size", "per_device_train_batch_size"], "batch_size"),
     # length of training
     **dict.fromkeys(["num_train_epochs", "num_epochs", "n_epochs", "max_epochs"], "epochs"),
     **dict.fromkeys(["max_train_steps", "num_train_steps"], "max_steps"),
-    **dict.fromkeys(["gradient_accumulation", "accumulate_grad_batches"],
-                    "gradient_accumulation_steps"),
+    **dict.fromkeys(
+        ["gradient_accumulation", "accumulate_grad_batches"], "gradient_accumulation_steps"
+    ),
     # optimizer
     "learning_rate": "lr",
     "wd": "weight_decay",
@@ -95,22 +97,35 @@ ALIASES = {
 # Names that are no setting here, with what to do instead (the hint, whatever the class).
 _NOT_SETTINGS = {
     "save_model": "not needed: the weights are always written, as output_dir/model.safetensors",
-    **dict.fromkeys(["fp16", "bf16", "amp", "mixed_precision"],
-                    "precision comes from the accelerate config: accelerate launch --config_file "
-                    "FILE.yaml, or --mixed_precision bf16"),
-    **dict.fromkeys(["no_cuda", "no_accel", "no_mps", "cpu", "use_cpu", "gpu", "gpus", "device",
-                     "accel"],
-                    "devices come from the accelerate config: accelerate launch --config_file "
-                    "FILE.yaml, or --cpu for CPU only"),
-    **dict.fromkeys(["world_size", "rank", "local_rank", "dist_url", "dist_backend",
-                     "multiprocessing_distributed", "num_processes", "nproc_per_node"],
-                    "processes come from the launcher: accelerate launch --num_processes N, "
-                    "or torchrun --nproc_per_node N"),
+    **dict.fromkeys(
+        ["fp16", "bf16", "amp", "mixed_precision"],
+        "precision comes from the accelerate config: accelerate launch --config_file "
+        "FILE.yaml, or --mixed_precision bf16",
+    ),
+    **dict.fromkeys(
+        ["no_cuda", "no_accel", "no_mps", "cpu", "use_cpu", "gpu", "gpus", "device", "accel"],
+        "devices come from the accelerate config: accelerate launch --config_file "
+        "FILE.yaml, or --cpu for CPU only",
+    ),
+    **dict.fromkeys(
+        [
+            "world_size",
+            "rank",
+            "local_rank",
+            "dist_url",
+            "dist_backend",
+            "multiprocessing_distributed",
+            "num_processes",
+            "nproc_per_node",
+        ],
+        "processes come from the launcher: accelerate launch --num_processes N, "
+        "or torchrun --nproc_per_node N",
+    ),
 }
 
 
 def _hint(name, fields):
-    """" (did you mean FIELD?)" or " (what to do instead)" for an unknown `name`, or ""."""
+    """ " (did you mean FIELD?)" or " (what to do instead)" for an unknown `name`, or ""."""
     key = str(name).replace("-", "_")
     if key in _NOT_SETTINGS and key not in fields:
         return f" ({_NOT_SETTINGS[key]})"
@@ -184,8 +199,9 @@ def _split_argv(argv):
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"unexpected argument {arg!r}: settings are given as --name value or "
-                              f"--name=value")
+            raise ConfigError(
+                f"unexpected argument {arg!r}: settings are given as --name value or --name=value"
+            )
         name = arg[2:]
         if "=" in name:
             name, value = name.split("=", 1)
@@ -213,8 +229,9 @@ def read_yaml(path):
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of field: value, not "
-                          f"{type(data).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a mapping of field: value, not {type(data).__name__}"
+        )
     return data
 
 
@@ -232,8 +249,9 @@ def parse_config(cls, argv=None):
     def check_name(name, source):
         if name not in fields:
             hint = _hint(name, fields)
-            raise ConfigError(f"unknown setting {name!r} in {source}{hint}; valid settings: "
-                              f"{', '.join(fields)}")
+            raise ConfigError(
+                f"unknown setting {name!r} in {source}{hint}; valid settings: {', '.join(fields)}"
+            )
 
     values = {}
     config_files = [v for n, v in pairs if n == "config"]
@@ -277,7 +295,7 @@ def _class_notes(klass):
         comments = {}  # line number -> (comment text, alone on its line)
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):
             if tok.type == tokenize.COMMENT:
-                alone = not tok.line[:tok.start[1]].strip()
+                alone = not tok.line[: tok.start[1]].strip()
                 comments[tok.start[0]] = (tok.string.lstrip("#").strip(), alone)
     except (OSError, TypeError, SyntaxError, IndexError, tokenize.TokenError):
         return "", {}
@@ -287,13 +305,19 @@ def _class_notes(klass):
     fields, section, previous_end = {}, None, node.lineno
     for stmt in node.body:
         start = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
-        above = [comments[n][0] for n in range(previous_end + 1, start)
-                 if comments.get(n, ("", False))[1]]
+        above = [
+            comments[n][0]
+            for n in range(previous_end + 1, start)
+            if comments.get(n, ("", False))[1]
+        ]
         if above:
             section = " ".join(above)
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            inline = [comments[n][0] for n in range(stmt.lineno, stmt.end_lineno + 1)
-                      if n in comments and not comments[n][1]]
+            inline = [
+                comments[n][0]
+                for n in range(stmt.lineno, stmt.end_lineno + 1)
+                if n in comments and not comments[n][1]
+            ]
             fields[stmt.target.id] = (" ".join(inline), section)
         previous_end = stmt.end_lineno
     return " ".join(doc.split()), fields
@@ -363,9 +387,14 @@ def help_text(cls):
         if not comment:
             lines.append(head)
         else:
-            lines += textwrap.wrap(_for_users(comment), _WIDTH, initial_indent=f"{head}  ",
-                                   subsequent_indent=" " * 6, break_long_words=False,
-                                   break_on_hyphens=False)
+            lines += textwrap.wrap(
+                _for_users(comment),
+                _WIDTH,
+                initial_indent=f"{head}  ",
+                subsequent_indent=" " * 6,
+                break_long_words=False,
+                break_on_hyphens=False,
+            )
     return "\n".join(lines)
 
 
@@ -398,12 +427,12 @@ class RunConfig:
     # Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume.
     checkpoint_every_steps: int = 0  # also one every N optimizer steps (0: only at epoch ends)
     keep_checkpoints: int = 3  # delete older ones
-    resume: Optional[str] = None  # "latest" or a checkpoint folder (torchrun restarts: the last)
+    resume: str | None = None  # "latest" or a checkpoint folder (torchrun restarts: the last)
     # Modes.
     smoke: bool = False  # train smoke_steps steps of one epoch, then evaluate: for tests and CI
     smoke_steps: int = 5
     eval_only: bool = False  # evaluate `weights` (or the `resume` checkpoint) and stop
-    weights: Optional[str] = None  # model.safetensors (or a state_dict .pt) to start from
+    weights: str | None = None  # model.safetensors (or a state_dict .pt) to start from
     export: str = ""  # onnx: write `weights` as a checked .onnx file beside it (docs/export.md)
     # Logging: metrics.jsonl is always written; log_with also sends it to a tracker.
     log_with: str = "none"  # none, tensorboard (requirements-extras.txt), wandb (pip install wandb)
@@ -413,26 +442,46 @@ class RunConfig:
 
     def validate(self):
         """The checks every recipe needs; a recipe's validate() calls this, then adds its own."""
-        require_at_least(self, 1, "epochs", "batch_size", "eval_batch_size",
-                         "gradient_accumulation_steps", "smoke_steps", "log_every",
-                         "keep_checkpoints")
+        require_at_least(
+            self,
+            1,
+            "epochs",
+            "batch_size",
+            "eval_batch_size",
+            "gradient_accumulation_steps",
+            "smoke_steps",
+            "log_every",
+            "keep_checkpoints",
+        )
         require_at_least(self, 0, "max_steps", "checkpoint_every_steps", "early_stop_patience")
-        require(0 <= self.ema_decay < 1,
-                f"ema_decay must be in [0, 1), such as 0.999, got {self.ema_decay}")
+        require(
+            0 <= self.ema_decay < 1,
+            f"ema_decay must be in [0, 1), such as 0.999, got {self.ema_decay}",
+        )
         lowest = -1 if type(self).num_workers == -1 else 0  # -1: a recipe that picks them by CPUs
-        require(self.num_workers >= lowest,
-                f"num_workers must be at least {lowest}, got {self.num_workers}")
+        require(
+            self.num_workers >= lowest,
+            f"num_workers must be at least {lowest}, got {self.num_workers}",
+        )
         require(self.lr > 0, f"lr must be positive, got {self.lr}")
-        require(not (self.weights and self.resume),
-                "weights and resume both load a model: pass one of them")
-        require(not self.eval_only or self.weights or self.resume,
-                "eval_only needs --weights FILE or --resume CHECKPOINT")
+        require(
+            not (self.weights and self.resume),
+            "weights and resume both load a model: pass one of them",
+        )
+        require(
+            not self.eval_only or self.weights or self.resume,
+            "eval_only needs --weights FILE or --resume CHECKPOINT",
+        )
         require(self.export in ("", "onnx"), f"export must be onnx, got {self.export!r}")
-        require(not self.export or self.weights,
-                "export needs weights: add --weights PATH/model.safetensors")
+        require(
+            not self.export or self.weights,
+            "export needs weights: add --weights PATH/model.safetensors",
+        )
         require(not (self.export and self.eval_only), "choose one of export and eval_only")
-        require(not self.export or not self.weights.endswith(".onnx"),
-                "export reads the weights the .onnx file was made from: pass the .safetensors")
+        require(
+            not self.export or not self.weights.endswith(".onnx"),
+            "export reads the weights the .onnx file was made from: pass the .safetensors",
+        )
 
     def scaled_lr(self, processes):
         """lr, times processes x accumulation steps with scale_lr (the linear scaling rule)."""

@@ -95,8 +95,9 @@ def load_splits(name, splits, columns, hint=None):
     if local.exists():
         source = str(local)
     elif looks_like_path(name):
-        raise DataError(f"dataset path {name} does not exist: check --dataset"
-                        + (f"; {hint}" if hint else ""))
+        raise DataError(
+            f"dataset path {name} does not exist: check --dataset" + (f"; {hint}" if hint else "")
+        )
     else:
         source = name
         if not _hub_reachable():
@@ -119,9 +120,13 @@ def load_splits(name, splits, columns, hint=None):
         raise DataError(
             f"could not load {name!r}: no folder of that name here, and not from the Hugging Face "
             f"Hub ({type(e).__name__}; no internet?): point --dataset at a local folder"
-            + (f": {hint}" if hint else f" that datasets.load_dataset reads, such as parquet "
-               f"files {' and '.join(s + '*.parquet' for s in splits)} with columns "
-               f"{' and '.join(columns)}")
+            + (
+                f": {hint}"
+                if hint
+                else f" that datasets.load_dataset reads, such as parquet "
+                f"files {' and '.join(s + '*.parquet' for s in splits)} with columns "
+                f"{' and '.join(columns)}"
+            )
         ) from None
     except (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException) as e:
         # A data file that does not read. datasets raises pyarrow's error if it is the first file
@@ -129,14 +134,17 @@ def load_splits(name, splits, columns, hint=None):
         bad = _unreadable_parquet(local) if local.exists() else None
         if bad:
             path, reason = bad
-            raise DataError(f"cannot read {path} ({reason}): it is truncated or not a parquet "
-                            f"file; write it again, or remove it from {name}") from None
+            raise DataError(
+                f"cannot read {path} ({reason}): it is truncated or not a parquet "
+                f"file; write it again, or remove it from {name}"
+            ) from None
         raise DataError(f"could not read dataset {name}: {_first_line(e.__cause__ or e)}") from None
     except (FileNotFoundError, ValueError) as e:  # no data files, unknown format, empty folder
         first = _first_line(e)
         if "corresponds to no data" in first:  # datasets' words for a split with no rows
-            raise DataError(f"dataset {name} has an empty split ({first}): add samples to "
-                            f"it") from None
+            raise DataError(
+                f"dataset {name} has an empty split ({first}): add samples to it"
+            ) from None
         raise DataError(f"could not read dataset {name}: {first}") from None
     finally:
         datasets.logging.set_verbosity_error()
@@ -195,8 +203,9 @@ def decode_images(split, column, where):
 
     feature = split.features[column]
     if not isinstance(feature, datasets.Image):
-        raise DataError(f"{where}'s column {column!r} holds {feature}, not images: check the "
-                        f"image column")
+        raise DataError(
+            f"{where}'s column {column!r} holds {feature}, not images: check the image column"
+        )
     raw = split.select_columns([column]).cast_column(column, datasets.Image(decode=False))[column]
     decode = datasets.Image(mode=feature.mode).decode_example
     images = []
@@ -230,8 +239,11 @@ def cached_tensors(split, key, make, enabled=True):
     from safetensors.torch import save_file
 
     name = json.dumps([CACHE_FORMAT, split._fingerprint, key])
-    path = Path(datasets.config.HF_DATASETS_CACHE, "decoded",
-                hashlib.sha256(name.encode()).hexdigest()[:32] + ".safetensors")
+    path = Path(
+        datasets.config.HF_DATASETS_CACHE,
+        "decoded",
+        hashlib.sha256(name.encode()).hexdigest()[:32] + ".safetensors",
+    )
     if path.exists():
         try:
             with safe_open(path, "pt") as file:
@@ -240,8 +252,9 @@ def cached_tensors(split, key, make, enabled=True):
             problem = "made for other data"
         except (OSError, SafetensorError) as e:  # truncated or damaged
             problem = _first_line(e)
-        print(f"warning: cannot read cache file {path} ({problem}): writing it again",
-              file=sys.stderr)
+        print(
+            f"warning: cannot read cache file {path} ({problem}): writing it again", file=sys.stderr
+        )
     tensors = make()
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # unique: ranks write at once
     try:
@@ -250,8 +263,10 @@ def cached_tensors(split, key, make, enabled=True):
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:  # a full disk or a read-only cache: run on without
         tmp.unlink(missing_ok=True)
-        print(f"warning: cannot write cache file {path} ({_first_line(e)}): decoding again next "
-              f"run", file=sys.stderr)
+        print(
+            f"warning: cannot write cache file {path} ({_first_line(e)}): decoding again next run",
+            file=sys.stderr,
+        )
     return tensors
 
 
@@ -259,8 +274,10 @@ def require_one_batch_per_process(samples, batch_size, accelerator, what):
     """DataError unless `samples` fill one batch of `batch_size` on every process: with fewer, a
     prepared loader would repeat samples to give each process a batch."""
     if samples < batch_size * accelerator.num_processes:
-        raise DataError(f"{what} has {samples} samples, fewer than one batch for each process "
-                        f"({batch_size} x {accelerator.num_processes} processes): lower batch_size")
+        raise DataError(
+            f"{what} has {samples} samples, fewer than one batch for each process "
+            f"({batch_size} x {accelerator.num_processes} processes): lower batch_size"
+        )
 
 
 def cpus_per_process(processes):
@@ -283,10 +300,17 @@ def seeded_loader(dataset, batch_size, shuffle, seed, num_workers=0, pin_memory=
     epoch costs seconds, and until worker_init_fn runs torch's handler lets SIGTERM kill one, so
     a worker started once is exposed once; they leave Ctrl-C and SIGTERM to the training process
     (ignore_stop_signals). collate_fn=tuple: the dataset returns whole batches."""
-    return DataLoader(dataset, batch_size, shuffle=shuffle, collate_fn=tuple,
-                      num_workers=num_workers, persistent_workers=num_workers > 0,
-                      pin_memory=pin_memory, worker_init_fn=ignore_stop_signals,
-                      generator=torch.Generator().manual_seed(seed))
+    return DataLoader(
+        dataset,
+        batch_size,
+        shuffle=shuffle,
+        collate_fn=tuple,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=pin_memory,
+        worker_init_fn=ignore_stop_signals,
+        generator=torch.Generator().manual_seed(seed),
+    )
 
 
 def to_device(tensor, device):
@@ -382,8 +406,10 @@ def class_labels(split, column, num_classes, where):
     DataError naming the column's type or the label out of range."""
     labels = split.select_columns([column]).with_format("numpy")[:][column]
     if labels.dtype.kind not in "iu":
-        raise DataError(f"{where}'s column {column!r} holds {split.features[column]}, not class "
-                        f"indices: map the labels to integers 0..{num_classes - 1}")
+        raise DataError(
+            f"{where}'s column {column!r} holds {split.features[column]}, not class "
+            f"indices: map the labels to integers 0..{num_classes - 1}"
+        )
     labels = torch.from_numpy(labels).long()
     if labels.min() < 0 or labels.max() >= num_classes:
         bad = int(labels.max() if labels.max() >= num_classes else labels.min())

@@ -33,8 +33,9 @@ def require_packages(purpose, *names):
         except ModuleNotFoundError as e:
             if e.name != name:  # a package that is there failed to import one of its own
                 raise
-            raise UserError(f"{purpose} needs the {name} package: "
-                            f"pip install -r requirements-extras.txt") from None
+            raise UserError(
+                f"{purpose} needs the {name} package: pip install -r requirements-extras.txt"
+            ) from None
     return modules
 
 
@@ -54,8 +55,9 @@ def onnx_metadata(path):
     try:
         model = onnx.load(str(path), load_external_data=False)
     except DecodeError as e:
-        raise UserError(f"cannot read {path} ({type(e).__name__}): it is truncated or not an "
-                        f"ONNX file") from None
+        raise UserError(
+            f"cannot read {path} ({type(e).__name__}): it is truncated or not an ONNX file"
+        ) from None
     return {p.key: p.value for p in model.metadata_props}
 
 
@@ -81,8 +83,15 @@ def write_onnx(model, example, path, metadata, dynamic):
     # Batch 2 at least: torch.export takes an axis of size 1 for a constant.
     example = example[:1].expand(max(len(example), 2), *example.shape[1:]).contiguous()
     axes = {axis: torch.export.Dim(name) for axis, name in dynamic.items()}
-    program = torch.onnx.export(model.cpu().eval(), (example,), dynamo=True, input_names=[INPUT],
-                                output_names=[OUTPUT], dynamic_shapes=(axes,), verbose=False)
+    program = torch.onnx.export(
+        model.cpu().eval(),
+        (example,),
+        dynamo=True,
+        input_names=[INPUT],
+        output_names=[OUTPUT],
+        dynamic_shapes=(axes,),
+        verbose=False,
+    )
     proto = program.model_proto
     onnx.helper.set_model_props(proto, {k: str(v) for k, v in metadata.items()})
     onnx.save(proto, str(path))
@@ -96,8 +105,10 @@ def check_onnx(model, path, inputs):
     worst = max(float((session(x) - model(x)).abs().max()) for x in inputs)
     if not worst <= TOLERANCE:  # also NaN
         sizes = " and ".join("x".join(map(str, x.shape)) for x in inputs)
-        raise UserError(f"{path} gives logits up to {worst:.2e} away from PyTorch's on inputs of "
-                        f"{sizes} (tolerance {TOLERANCE:g}): the exporter mistranslated the model")
+        raise UserError(
+            f"{path} gives logits up to {worst:.2e} away from PyTorch's on inputs of "
+            f"{sizes} (tolerance {TOLERANCE:g}): the exporter mistranslated the model"
+        )
     return worst
 
 
@@ -108,8 +119,9 @@ def export_onnx(accelerator, model, inputs, weights, metadata, dynamic, what="")
     sizes along the `dynamic` axes check that they take any size, see write_onnx). `what`: a few
     words on where the inputs come from, for the report line."""
     if accelerator.num_processes > 1:
-        raise UserError("export runs on one process: start it with python, not a multi-process "
-                        "launch")
+        raise UserError(
+            "export runs on one process: start it with python, not a multi-process launch"
+        )
     path = Path(weights).with_suffix(".onnx")
     tmp = path.with_name(f".{path.stem}.tmp.onnx")
     try:
@@ -117,11 +129,15 @@ def export_onnx(accelerator, model, inputs, weights, metadata, dynamic, what="")
         worst = check_onnx(model, tmp, inputs)
         os.replace(tmp, path)
     except OSError as e:
-        raise UserError(f"cannot write {path} ({e.strerror or e}): copy the weights to a "
-                        f"folder you can write to") from None
+        raise UserError(
+            f"cannot write {path} ({e.strerror or e}): copy the weights to a "
+            f"folder you can write to"
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
     sizes = ", ".join("x".join(map(str, x.shape)) for x in inputs)
-    accelerator.print(f"wrote {path}: onnxruntime's logits are within {worst:.1e} of PyTorch's "
-                      f"(max abs, fp32) on inputs of {sizes}{f' ({what})' if what else ''}")
+    accelerator.print(
+        f"wrote {path}: onnxruntime's logits are within {worst:.1e} of PyTorch's "
+        f"(max abs, fp32) on inputs of {sizes}{f' ({what})' if what else ''}"
+    )
     return path

@@ -57,7 +57,9 @@ class TrainLoss:
             where = f"at step {step}" if first >= step else f"between steps {first} and {step}"
             found = list_checkpoints(checkpoints_dir)
             kept = f"; the last good checkpoint is {found[-1]}" if found else ""
-            raise UserError(f"the loss became nan or inf {where}{kept}: lower lr, or check the data")
+            raise UserError(
+                f"the loss became nan or inf {where}{kept}: lower lr, or check the data"
+            )
         self.finite_until = step
 
     def window(self, accelerator):
@@ -74,8 +76,8 @@ class TrainLoss:
 class Throughput:
     """Samples per second of the whole job: every rank's samples over the main process's wall clock.
 
-        speed.update(len(x))           # every batch, on the host
-        speed.compute(accelerator)     # a collective: call on every rank
+    speed.update(len(x))           # every batch, on the host
+    speed.compute(accelerator)     # a collective: call on every rank
     """
 
     def __init__(self):
@@ -87,7 +89,9 @@ class Throughput:
 
     def compute(self, accelerator):
         # Summed, not multiplied by the process count: bucketed batches differ in size across ranks.
-        samples = accelerator.reduce(torch.tensor(float(self.samples), device=accelerator.device), "sum").item()
+        samples = accelerator.reduce(
+            torch.tensor(float(self.samples), device=accelerator.device), "sum"
+        ).item()
         return samples / max(time.perf_counter() - self.start, 1e-9)
 
 

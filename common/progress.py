@@ -66,12 +66,21 @@ class Progress:
         if self.batches_done:
             loss_sum, samples = self.losses.totals(self.accelerator)
             carried = [loss_sum, int(samples), self.skipped]
-        return {"epoch": self.epoch, "batches_done": self.batches_done, "step": self.step,
-                self.best_key: self.best, "evals_since_best": self.evals_since_best,
-                "epoch_so_far": carried}
+        return {
+            "epoch": self.epoch,
+            "batches_done": self.batches_done,
+            "step": self.step,
+            self.best_key: self.best,
+            "evals_since_best": self.evals_since_best,
+            "epoch_so_far": carried,
+        }
 
     def load(self, state):
-        self.epoch, self.batches_done, self.step = state["epoch"], state["batches_done"], state["step"]
+        self.epoch, self.batches_done, self.step = (
+            state["epoch"],
+            state["batches_done"],
+            state["step"],
+        )
         self.best = state.get(self.best_key)
         self.evals_since_best = state.get("evals_since_best", 0)
         if self.batches_done:
@@ -80,8 +89,13 @@ class Progress:
     def epochs_left(self):
         """True while there is training to do: not eval_only, neither limit reached, no stop,
         patience left."""
-        return (not self.cfg.eval_only and self.epoch <= self.epochs and self.step < self.max_steps
-                and not self.interrupted and not self.out_of_patience)
+        return (
+            not self.cfg.eval_only
+            and self.epoch <= self.epochs
+            and self.step < self.max_steps
+            and not self.interrupted
+            and not self.out_of_patience
+        )
 
     def rest_of_epoch(self, loader):
         """The training `loader` in this epoch's order (set_epoch: new every epoch, the same on
@@ -124,7 +138,9 @@ class Progress:
         self.step += 1
         self.skipped += self.accelerator.optimizer_step_was_skipped  # fp16: the scaler skipped it
         at_limit = self.step >= self.max_steps  # then look now: a Ctrl-C must not pass for the end
-        self.interrupted = stop_requested(self.accelerator, 0 if at_limit else self.step, CHECK_EVERY)
+        self.interrupted = stop_requested(
+            self.accelerator, 0 if at_limit else self.step, CHECK_EVERY
+        )
         self.stopping = self.interrupted or at_limit
         every = self.cfg.checkpoint_every_steps
         self.checkpoint_due = self.stopping or bool(every and self.step % every == 0)
@@ -135,19 +151,23 @@ class Progress:
 
     def train_scalars(self, optimizer):
         """The tracker's training scalars since the last call: loss over all ranks, lr, samples/s."""
-        scalars = {"train/loss": self.losses.window(self.accelerator),
-                   "train/lr": optimizer.param_groups[0]["lr"],
-                   "train/samples_per_s": self.window.compute(self.accelerator)}
+        scalars = {
+            "train/loss": self.losses.window(self.accelerator),
+            "train/lr": optimizer.param_groups[0]["lr"],
+            "train/samples_per_s": self.window.compute(self.accelerator),
+        }
         self.window = Throughput()
         return scalars
 
     def epoch_metrics(self):
         """The epoch's training metrics for metrics.jsonl, after a last check for a nan loss."""
         self.losses.check(self.accelerator, self.step, self.checkpoints)
-        return {"train_loss": self.losses.mean(self.accelerator),
-                "train_samples_per_s": self.speed.compute(self.accelerator),
-                "skipped_steps": self.skipped,
-                "peak_memory_mb": peak_memory_mb(self.accelerator.device)}
+        return {
+            "train_loss": self.losses.mean(self.accelerator),
+            "train_samples_per_s": self.speed.compute(self.accelerator),
+            "skipped_steps": self.skipped,
+            "peak_memory_mb": peak_memory_mb(self.accelerator.device),
+        }
 
     def end_epoch(self, batches):
         """True if the epoch of `batches` batches is complete (max_steps can stop one early):
@@ -161,7 +181,9 @@ class Progress:
         """True, and remembered, if result[metric] is the best so far (higher is better); else one
         more evaluation without improvement. Every rank takes rank 0's value (a collective), so
         all decide alike whether to write best weights and whether to stop early."""
-        value = torch.tensor([result[self.metric]], dtype=torch.float64, device=self.accelerator.device)
+        value = torch.tensor(
+            [result[self.metric]], dtype=torch.float64, device=self.accelerator.device
+        )
         value = broadcast(value).item()
         if self.best is not None and value <= self.best:
             self.evals_since_best += 1
@@ -176,8 +198,10 @@ class Progress:
         if self.interrupted:
             return f"stopped at step {self.step}; continue with --resume latest"
         if self.out_of_patience:
-            return (f"stopped early: no better {self.metric} in {self.cfg.early_stop_patience} "
-                    f"evaluations")
+            return (
+                f"stopped early: no better {self.metric} in {self.cfg.early_stop_patience} "
+                f"evaluations"
+            )
         return None
 
     @property

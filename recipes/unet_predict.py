@@ -14,21 +14,27 @@ import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from safetensors import SafetensorError, safe_open
+from unet_data import (
+    IMAGE_SUFFIXES,
+    MODES,
+    SHAPES,
+    SegmentationConfig,
+    decode_pair,
+    open_sources,
+    padded,
+)
+from unet_model import MIN_SIZE, PAD_MULTIPLE
 
 from common.checkpoint import load_weights
 from common.config import UserError, require
 from common.data import DataError, pad_to
 from common.export import OnnxModel, onnx_metadata
-from unet_data import IMAGE_SUFFIXES, MODES, SHAPES, SegmentationConfig, decode_pair, open_sources
-from unet_data import padded
-from unet_model import MIN_SIZE, PAD_MULTIPLE
 
 EXPORT_SIZE = 64  # export's random inputs for a model trained at its images' own sizes
 
@@ -38,8 +44,8 @@ class PredictConfig(SegmentationConfig):
     """SegmentationConfig and the settings of predict, of its tiles and its flips."""
 
     # Predict: write masks for new images with `weights`, whose file holds the model settings.
-    predict: Optional[str] = None  # an image file or glob
-    predict_dir: Optional[str] = None  # where the NAME_mask.png go; default output_dir/predictions
+    predict: str | None = None  # an image file or glob
+    predict_dir: str | None = None  # where the NAME_mask.png go; default output_dir/predictions
     overlay: bool = False  # also write NAME_overlay.png, the image with the classes painted on
     # Predict and eval_only (and the evaluation of a training run): see segment().
     predict_tile: int = 0  # run the model on overlapping tiles of this size, blended; 0: whole
@@ -47,16 +53,22 @@ class PredictConfig(SegmentationConfig):
 
     def validate(self):
         super().validate()
-        require(not self.predict or self.weights,
-                "predict needs weights: add --weights PATH/model.safetensors")
+        require(
+            not self.predict or self.weights,
+            "predict needs weights: add --weights PATH/model.safetensors",
+        )
         tile = self.predict_tile
-        require(tile == 0 or (tile >= MIN_SIZE and tile % PAD_MULTIPLE == 0),
-                f"predict_tile must be 0 or a multiple of {PAD_MULTIPLE} from {MIN_SIZE} up (the "
-                f"U-Net halves a tile 4 times), got {tile}")
+        require(
+            tile == 0 or (tile >= MIN_SIZE and tile % PAD_MULTIPLE == 0),
+            f"predict_tile must be 0 or a multiple of {PAD_MULTIPLE} from {MIN_SIZE} up (the "
+            f"U-Net halves a tile 4 times), got {tile}",
+        )
         require(not (self.predict and self.eval_only), "choose one of predict and eval_only")
         require(not (self.predict and self.export), "choose one of predict and export")
-        require(self.predict or not str(self.weights).endswith(".onnx"), "an .onnx file only "
-                "predicts: train or evaluate from the .safetensors it was made from")
+        require(
+            self.predict or not str(self.weights).endswith(".onnx"),
+            "an .onnx file only predicts: train or evaluate from the .safetensors it was made from",
+        )
 
 
 def predicted_classes(logits, num_classes):
@@ -65,8 +77,18 @@ def predicted_classes(logits, num_classes):
 
 
 # Class 0 (and padding) black, then a colour per class, repeating after six.
-COLOURS = torch.tensor([(0, 0, 0), (230, 25, 75), (60, 180, 75), (0, 130, 200), (255, 225, 25),
-                        (145, 30, 180), (70, 240, 240)], dtype=torch.uint8)
+COLOURS = torch.tensor(
+    [
+        (0, 0, 0),
+        (230, 25, 75),
+        (60, 180, 75),
+        (0, 130, 200),
+        (255, 225, 25),
+        (145, 30, 180),
+        (70, 240, 240),
+    ],
+    dtype=torch.uint8,
+)
 
 
 def paint(classes):
@@ -93,7 +115,7 @@ class SegmentationWeights:
 
     model: dict  # the Config fields that build the model, e.g. {"num_classes": 4, ...}
     mask_values: list  # class i is mask value mask_values[i]
-    input_size: Optional[list]  # [height, width] that the model saw; None: each image its own
+    input_size: list | None  # [height, width] that the model saw; None: each image its own
     # The flips of its training augmentation, which predict_flip averages over: "h" (horizontal),
     # "v" (vertical), both or "". Files written before it was stored: "h", the recipe's default.
     flips: str = "h"
@@ -122,13 +144,16 @@ class SegmentationWeights:
                 with safe_open(path, "pt") as f:
                     meta = f.metadata() or {}
             except SafetensorError as e:
-                raise UserError(f"cannot read weights file {path} ({e}): it is truncated or not "
-                                f"a weights file") from None
+                raise UserError(
+                    f"cannot read weights file {path} ({e}): it is truncated or not a weights file"
+                ) from None
         if cls.KEY in meta:
             return cls(**json.loads(meta[cls.KEY]))
         if "mask_values" in meta:  # the settings as strings, one key each, as saved until 2026
-            raise UserError(f"{path} stores its settings one key each, an old format that this "
-                            f"recipe no longer reads: train the model again to save it anew")
+            raise UserError(
+                f"{path} stores its settings one key each, an old format that this "
+                f"recipe no longer reads: train the model again to save it anew"
+            )
         return None
 
 
@@ -144,8 +169,10 @@ def fit_to_weights(cfg, weights, names):
         if name in ("num_classes", "in_channels") and given == 0:
             cfg = dataclasses.replace(cfg, **{name: stored})
         elif stored is not None and stored != given:
-            raise UserError(f"{cfg.weights} was trained with {name} {stored}, not {given}: add "
-                            f"--{name} {stored}")
+            raise UserError(
+                f"{cfg.weights} was trained with {name} {stored}, not {given}: add "
+                f"--{name} {stored}"
+            )
     return cfg
 
 
@@ -160,6 +187,7 @@ def tile_starts(size, tile):
 def gaussian_weights(height, width, device):
     """[height, width] weights for blending tiles, highest at the centre (sigma 1/8 of the side,
     as nnU-Net): the logits near a tile's edge, which saw the zero padding past it, count least."""
+
     def side(n):
         offsets = torch.arange(n, dtype=torch.float32, device=device) - (n - 1) / 2
         return torch.exp(-0.5 * (offsets / (n / 8)) ** 2)  # 3e-4 at the edge, never 0
@@ -197,8 +225,10 @@ def segment(net, x, cfg, flips):
     if not cfg.predict_flip:
         return tiled(net, x, cfg.predict_tile)
     if not flips:
-        raise UserError("predict_flip averages over the flips of training, and this model was "
-                        "trained with none (hflip and vflip 0): leave predict_flip off")
+        raise UserError(
+            "predict_flip averages over the flips of training, and this model was "
+            "trained with none (hflip and vflip 0): leave predict_flip off"
+        )
     axes = [dim for axis, dim in (("v", 2), ("h", 3)) if axis in flips]
     views = [dims for n in range(len(axes) + 1) for dims in itertools.combinations(axes, n)]
     logits = sum(tiled(net, x.flip(dims), cfg.predict_tile).float().flip(dims) for dims in views)
@@ -211,8 +241,10 @@ def load_model(cfg, build_model, device="cpu"):
     mode on `device`; or for an .onnx file, an onnxruntime session that is called alike."""
     weights = SegmentationWeights.read(cfg.weights)
     if weights is None:
-        raise UserError(f"{cfg.weights} holds no segmentation settings: predict and export need "
-                        f"weights saved by this recipe")
+        raise UserError(
+            f"{cfg.weights} holds no segmentation settings: predict and export need "
+            f"weights saved by this recipe"
+        )
     if Path(cfg.weights).suffix == ".onnx":
         return OnnxModel(cfg.weights), weights
     model = build_model(weights.model)
@@ -237,11 +269,15 @@ def sample_images(cfg, weights, count=4):
         return [x[..., :h, :w], x[:1]], f"random pixels: no --dataset, {SHAPES} is not made"
     _, val_source = open_sources(cfg)
     mode = MODES[weights.in_channels]
-    images = [decode_pair(val_source, i, weights.mask_values, mode)[0]
-              for i in range(min(count, len(val_source)))]
+    images = [
+        decode_pair(val_source, i, weights.mask_values, mode)[0]
+        for i in range(min(count, len(val_source)))
+    ]
     h, w = weights.input_size or (padded(images[0].shape[1]), padded(images[0].shape[2]))
-    return [torch.stack([resize(im, [h, w], antialias=True) for im in images]),
-            resize(images[0], [h + 16, w + 32], antialias=True)[None]], f"images of {cfg.dataset}"
+    return [
+        torch.stack([resize(im, [h, w], antialias=True) for im in images]),
+        resize(images[0], [h + 16, w + 32], antialias=True)[None],
+    ], f"images of {cfg.dataset}"
 
 
 def predict(cfg, accelerator, build_model, prepare_input):
@@ -255,8 +291,10 @@ def predict(cfg, accelerator, build_model, prepare_input):
     num_classes = weights.model["num_classes"]
     files = sorted(p for p in glob.glob(cfg.predict) if Path(p).suffix.lower() in IMAGE_SUFFIXES)
     if not files or len({Path(p).stem for p in files}) < len(files):
-        raise DataError(f"--predict {cfg.predict!r} matches "
-                        f"{'two images of one name' if files else 'no image files'}")
+        raise DataError(
+            f"--predict {cfg.predict!r} matches "
+            f"{'two images of one name' if files else 'no image files'}"
+        )
     for path in files:  # every process opens every header, so a bad file stops them all alike
         try:
             Image.open(path).close()
@@ -279,8 +317,9 @@ def predict(cfg, accelerator, build_model, prepare_input):
                 height, width = padded(images[0].height), padded(images[0].width)
                 x = pad_to(pil_to_tensor(images[0]), height, width, 0)[None]
             else:
-                x = torch.stack([resize(pil_to_tensor(im), weights.input_size, antialias=True)
-                                 for im in images])
+                x = torch.stack(
+                    [resize(pil_to_tensor(im), weights.input_size, antialias=True) for im in images]
+                )
             with torch.inference_mode(), accelerator.autocast():
                 logits = segment(model, prepare_input(x.to(accelerator.device)), cfg, weights.flips)
             for path, image, lg in zip(paths, images, logits):

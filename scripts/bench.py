@@ -76,13 +76,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_tools/, beside this file
 
 import torch  # noqa: E402
-
 from bench_tools.flops import flop_rates, matmul_peak, peak_dtype, peak_name  # noqa: E402
 from bench_tools.mnist import bench_mnist  # noqa: E402
 from bench_tools.report import rate, write_report  # noqa: E402
-from bench_tools.timing import device_name, measure, paired, time_from_imports  # noqa: E402
-from bench_tools.timing import time_startup  # noqa: E402
+from bench_tools.timing import (  # noqa: E402
+    device_name,
+    measure,
+    paired,
+    time_from_imports,
+    time_startup,  # noqa: E402
+)
 from bench_tools.unet import bench_loader, bench_unet  # noqa: E402
+
 from common.runtime import build_accelerator, close  # noqa: E402
 
 # Each recipe's bench, and its defaults for what the command line leaves out. A U-Net step takes
@@ -102,18 +107,27 @@ def run_training(args, accelerator, bench, workdir):
     device = accelerator.device
     load_before = os.getloadavg()
     info, variants = bench(args, accelerator)
-    print(f"{args.recipe}{' ' + args.config if args.config else ''}: {info['steps_per_rep']} steps "
-          f"= {info['samples_per_rep']} samples per repetition, {args.warmup} warm-up + "
-          f"{args.reps} measured each, interleaved, {args.threads} threads, {device.type} "
-          f"({device_name(device)}), precision {accelerator.mixed_precision}", flush=True)
+    print(
+        f"{args.recipe}{' ' + args.config if args.config else ''}: {info['steps_per_rep']} steps "
+        f"= {info['samples_per_rep']} samples per repetition, {args.warmup} warm-up + "
+        f"{args.reps} measured each, interleaved, {args.threads} threads, {device.type} "
+        f"({device_name(device)}), precision {accelerator.mixed_precision}",
+        flush=True,
+    )
     dynamo = accelerator.state.dynamo_plugin  # the accelerate config's dynamo_config
     if dynamo.backend.value != "NO":
-        print(f"  prepare() compiles every model: backend {dynamo.backend.value.lower()}, "
-              f"mode {dynamo.mode}", flush=True)
+        print(
+            f"  prepare() compiles every model: backend {dynamo.backend.value.lower()}, "
+            f"mode {dynamo.mode}",
+            flush=True,
+        )
     flops, dtype = info.get("flops_per_sample"), peak_dtype(accelerator)
     if flops:
-        print(f"  {flops / 1e9:.1f} GFLOP per sample; timing a matrix product in "
-              f"{peak_name(device, dtype)}", flush=True)
+        print(
+            f"  {flops / 1e9:.1f} GFLOP per sample; timing a matrix product in "
+            f"{peak_name(device, dtype)}",
+            flush=True,
+        )
         peaks = [matmul_peak(device, dtype)]
     results = measure(variants, device, args.warmup, args.reps)
     if flops:
@@ -121,8 +135,9 @@ def run_training(args, accelerator, bench, workdir):
     startup = []
     if args.startup_runs:
         print(f"  launching the recipe {args.startup_runs} time(s) to time start-up", flush=True)
-        startup = time_startup(info["startup_cmd"], info["startup_marker"], args.startup_runs,
-                               workdir)
+        startup = time_startup(
+            info["startup_cmd"], info["startup_marker"], args.startup_runs, workdir
+        )
 
     med = {name: res["median_samples_per_s"] for name, res in results.items()}
     best = {name: res["best_samples_per_s"] for name, res in results.items()}
@@ -138,11 +153,13 @@ def run_training(args, accelerator, bench, workdir):
         **{k: v for k, v in info.items() if k != "startup_marker"},
         "warmup_reps": args.warmup,
         "reps": args.reps,
-        "peak_memory_note": ("max CUDA memory allocated, from the variant's set-up through its "
-                             "warm-up" if device.type == "cuda" else
-                             "process RSS high-water mark after the variant's warm-up; variants "
-                             "run in one process in this order, so only the first (recipe) is its "
-                             "own"),
+        "peak_memory_note": (
+            "max CUDA memory allocated, from the variant's set-up through its warm-up"
+            if device.type == "cuda"
+            else "process RSS high-water mark after the variant's warm-up; variants "
+            "run in one process in this order, so only the first (recipe) is its "
+            "own"
+        ),
         "variants": results,
         "classic_compared": classic,
         "recipe_over_bound": round(med["recipe"] / med["bound"], 3),
@@ -153,67 +170,102 @@ def run_training(args, accelerator, bench, workdir):
         # Other work on the machine only ever slows a repetition down, so the best repetition is
         # the least disturbed one.
         "recipe_over_bound_best": round(best["recipe"] / best["bound"], 3),
-        "recipe_over_classic_best": round(best["recipe"] / max(v for n, v in best.items()
-                                                               if n.startswith("classic")), 3),
+        "recipe_over_classic_best": round(
+            best["recipe"] / max(v for n, v in best.items() if n.startswith("classic")), 3
+        ),
         # --also: each variant's speed over the plain recipe's.
-        "also_over_recipe": {name: {"ratio_of_medians": round(med[name] / med["recipe"], 3),
-                                    "paired": paired(results, name, "recipe")}
-                             for name in results if name.startswith("recipe_")},
-        "load_average_1min": {"before": round(load_before[0], 2),
-                              "after": round(os.getloadavg()[0], 2), "cpu_cores": os.cpu_count()},
-        "startup_definition": ("seconds from launching `startup_cmd` to its start-up line "
-                               "(printed after the data is loaded and decoded, the model built and "
-                               "prepare() done: right before the first training step); to_exit_s: "
-                               "the whole 1-step smoke run, eval and writes included; exit_s: from "
-                               "its last output line to the process's exit"),
+        "also_over_recipe": {
+            name: {
+                "ratio_of_medians": round(med[name] / med["recipe"], 3),
+                "paired": paired(results, name, "recipe"),
+            }
+            for name in results
+            if name.startswith("recipe_")
+        },
+        "load_average_1min": {
+            "before": round(load_before[0], 2),
+            "after": round(os.getloadavg()[0], 2),
+            "cpu_cores": os.cpu_count(),
+        },
+        "startup_definition": (
+            "seconds from launching `startup_cmd` to its start-up line "
+            "(printed after the data is loaded and decoded, the model built and "
+            "prepare() done: right before the first training step); to_exit_s: "
+            "the whole 1-step smoke run, eval and writes included; exit_s: from "
+            "its last output line to the process's exit"
+        ),
         "startup": startup,
     }
     if startup:
         report["startup_median_s"] = statistics.median(s["to_first_step_s"] for s in startup)
     if flops:
         peak = flop_rates(results, flops, peaks)
-        report["matmul_peak_tflops"] = {"precision": peak_name(device, dtype),
-                                        "measured": [round(p, 4) for p in peaks],
-                                        "used": round(peak, 4)}
+        report["matmul_peak_tflops"] = {
+            "precision": peak_name(device, dtype),
+            "measured": [round(p, 4) for p in peaks],
+            "used": round(peak, 4),
+        }
 
     header = ["variant", "median/s", "best/s", "worst/s", "peak MB"]
     header += ["TFLOP/s", "of peak", "best"] if flops else []
     rows = []
     for name, res in results.items():
-        row = [name, rate(res["median_samples_per_s"]), rate(res["best_samples_per_s"]),
-               rate(min(res["samples_per_s"])), f"{res['peak_memory_mb']:.0f}"]
+        row = [
+            name,
+            rate(res["median_samples_per_s"]),
+            rate(res["best_samples_per_s"]),
+            rate(min(res["samples_per_s"])),
+            f"{res['peak_memory_mb']:.0f}",
+        ]
         if flops:
-            row += [f"{res['tflops']:.3g}", f"{res['fraction_of_peak']:.1%}",
-                    f"{res['fraction_of_peak_best']:.1%}"]
+            row += [
+                f"{res['tflops']:.3g}",
+                f"{res['fraction_of_peak']:.1%}",
+                f"{res['fraction_of_peak_best']:.1%}",
+            ]
         rows.append(row + [info["what"][name]])
-    notes = [f"recipe/{other}: {report[f'recipe_over_{key}']:.3f} ratio of medians, "
-             f"{report[f'recipe_over_{key}_paired']:.3f} median of per-round ratios, "
-             f"{report[f'recipe_over_{key}_best']:.3f} ratio of best repetitions"
-             for other, key in (("bound", "bound"),
-                                (f"classic ({classic}, the faster median)", "classic"))]
-    notes += [f"{name}/recipe: {ratio['ratio_of_medians']:.3f} ratio of medians, "
-              f"{ratio['paired']:.3f} median of per-round ratios"
-              for name, ratio in report["also_over_recipe"].items()]
+    notes = [
+        f"recipe/{other}: {report[f'recipe_over_{key}']:.3f} ratio of medians, "
+        f"{report[f'recipe_over_{key}_paired']:.3f} median of per-round ratios, "
+        f"{report[f'recipe_over_{key}_best']:.3f} ratio of best repetitions"
+        for other, key in (
+            ("bound", "bound"),
+            (f"classic ({classic}, the faster median)", "classic"),
+        )
+    ]
+    notes += [
+        f"{name}/recipe: {ratio['ratio_of_medians']:.3f} ratio of medians, "
+        f"{ratio['paired']:.3f} median of per-round ratios"
+        for name, ratio in report["also_over_recipe"].items()
+    ]
     load = report["load_average_1min"]
-    notes.append(f"load average {load['before']} before, {load['after']} after, on "
-                 f"{load['cpu_cores']} cores")
+    notes.append(
+        f"load average {load['before']} before, {load['after']} after, on {load['cpu_cores']} cores"
+    )
     if startup:
-        notes.append(f"start-up to first step {report['startup_median_s']:.2f} s (median of "
-                     f"{', '.join(str(s['to_first_step_s']) for s in startup)}); whole 1-step "
-                     f"smoke run {statistics.median(s['to_exit_s'] for s in startup):.2f} s, of "
-                     f"which exit after the last line "
-                     f"{statistics.median(s['exit_s'] for s in startup):.2f} s")
+        notes.append(
+            f"start-up to first step {report['startup_median_s']:.2f} s (median of "
+            f"{', '.join(str(s['to_first_step_s']) for s in startup)}); whole 1-step "
+            f"smoke run {statistics.median(s['to_exit_s'] for s in startup):.2f} s, of "
+            f"which exit after the last line "
+            f"{statistics.median(s['exit_s'] for s in startup):.2f} s"
+        )
     if flops:
-        notes.append(f"{flops / 1e9:.1f} GFLOP per sample (forward + backward); matrix-product "
-                     f"peak {peak:.3g} TFLOP/s in {peak_name(device, dtype)}")
+        notes.append(
+            f"{flops / 1e9:.1f} GFLOP per sample (forward + backward); matrix-product "
+            f"peak {peak:.3g} TFLOP/s in {peak_name(device, dtype)}"
+        )
     write_report(args.json, report, header + ["what"], rows, notes)
 
 
 def run_loader(args, accelerator):
     """The U-Net's loader alone (bench_loader's variants), in interleaved rounds."""
     device = accelerator.device
-    print(f"unet loader: {args.dataset}, {args.warmup} warm-up + {args.reps} measured epochs each, "
-          f"interleaved, {args.threads} threads, {device.type} ({device_name(device)})", flush=True)
+    print(
+        f"unet loader: {args.dataset}, {args.warmup} warm-up + {args.reps} measured epochs each, "
+        f"interleaved, {args.threads} threads, {device.type} ({device_name(device)})",
+        flush=True,
+    )
     setups = {}
 
     def keep(name, setup):  # remember each variant's set-up time and data line
@@ -221,29 +273,56 @@ def run_loader(args, accelerator):
             rep = setup()
             setups[name] = {"setup_s": rep.setup_s, "data": rep.data}
             return rep
+
         return wrapped
 
     variants = bench_loader(args, accelerator)
-    results = measure({name: keep(name, setup) for name, setup in variants.items()}, device,
-                      args.warmup, args.reps)
+    results = measure(
+        {name: keep(name, setup) for name, setup in variants.items()},
+        device,
+        args.warmup,
+        args.reps,
+    )
     rows = []
     for name, res in results.items():
         res.update(setups[name])
-        rows.append([name, rate(res["median_samples_per_s"]), rate(res["best_samples_per_s"]),
-                     f"{res['setup_s']:.2f}", res["data"]])
-    report = {"recipe": "unet", "mode": "loader", "dataset": args.dataset, "config": args.config,
-              "device": device.type, "device_name": device_name(device), "threads": args.threads,
-              "reps": args.reps, "variants": results}
+        rows.append(
+            [
+                name,
+                rate(res["median_samples_per_s"]),
+                rate(res["best_samples_per_s"]),
+                f"{res['setup_s']:.2f}",
+                res["data"],
+            ]
+        )
+    report = {
+        "recipe": "unet",
+        "mode": "loader",
+        "dataset": args.dataset,
+        "config": args.config,
+        "device": device.type,
+        "device_name": device_name(device),
+        "threads": args.threads,
+        "reps": args.reps,
+        "variants": results,
+    }
     notes = [f"load average {os.getloadavg()[0]:.2f} after, on {os.cpu_count()} cores"]
-    write_report(args.json, report, ["recipe flags", "images/s median", "best", "set-up s",
-                                     "data"], rows, notes)
+    write_report(
+        args.json,
+        report,
+        ["recipe flags", "images/s median", "best", "set-up s", "data"],
+        rows,
+        notes,
+    )
 
 
 STARTUP_RUNS = {  # label: (what it is, more recipe arguments)
     "first": ("first run: datasets converts the files, the recipe decodes and caches", []),
     "second": ("second run: the decoded images read from the cache", []),
-    "second_no_cache": ("second run with --cache_decoded false: decoded again",
-                        ["--cache_decoded", "false"]),
+    "second_no_cache": (
+        "second run with --cache_decoded false: decoded again",
+        ["--cache_decoded", "false"],
+    ),
 }
 
 
@@ -252,62 +331,121 @@ def run_startup_cache(args):
     each, all on one datasets cache that starts empty (HF_DATASETS_CACHE in a temporary folder,
     removed after), and time each from the end of its imports to its first training step."""
     folder = Path(tempfile.mkdtemp(prefix="bench-startup-"))
-    print(f"{args.recipe} start-up on {args.dataset}, {os.cpu_count()} cores, from the end of the "
-          f"imports to the first training step (3 launches; load average "
-          f"{os.getloadavg()[0]:.2f})", flush=True)
+    print(
+        f"{args.recipe} start-up on {args.dataset}, {os.cpu_count()} cores, from the end of the "
+        f"imports to the first training step (3 launches; load average "
+        f"{os.getloadavg()[0]:.2f})",
+        flush=True,
+    )
     preset = ["--config", args.config] if args.config else []
     runs = {}
     try:
         for label, (what, more) in STARTUP_RUNS.items():
-            recipe_args = ["--dataset", args.dataset, *preset, "--smoke", "--smoke_steps", 1,
-                           "--output_dir", folder / label, *more]
+            recipe_args = [
+                "--dataset",
+                args.dataset,
+                *preset,
+                "--smoke",
+                "--smoke_steps",
+                1,
+                "--output_dir",
+                folder / label,
+                *more,
+            ]
             cache = {"HF_DATASETS_CACHE": str(folder / "cache")}
             runs[label] = {"what": what, **time_from_imports(args.recipe, recipe_args, cache)}
             print(f"  {runs[label]['imports_done_to_first_step_s']:6.2f} s  {what}", flush=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    report = {"recipe": args.recipe, "dataset": args.dataset, "config": args.config,
-              "torch": torch.__version__, "cpu_cores": os.cpu_count(),
-              "load_average_1min_after": round(os.getloadavg()[0], 2), "runs": runs}
-    rows = [[label, f"{run['imports_done_to_first_step_s']:.2f}",
-             f"{run['launch_to_imports_done_s']:.2f}", run["what"]] for label, run in runs.items()]
-    write_report(args.json, report, ["launch", "imports to first step s", "imports s", "what"],
-                 rows, [f"load average {report['load_average_1min_after']} after"])
+    report = {
+        "recipe": args.recipe,
+        "dataset": args.dataset,
+        "config": args.config,
+        "torch": torch.__version__,
+        "cpu_cores": os.cpu_count(),
+        "load_average_1min_after": round(os.getloadavg()[0], 2),
+        "runs": runs,
+    }
+    rows = [
+        [
+            label,
+            f"{run['imports_done_to_first_step_s']:.2f}",
+            f"{run['launch_to_imports_done_s']:.2f}",
+            run["what"],
+        ]
+        for label, run in runs.items()
+    ]
+    write_report(
+        args.json,
+        report,
+        ["launch", "imports to first step s", "imports s", "what"],
+        rows,
+        [f"load average {report['load_average_1min_after']} after"],
+    )
 
 
 def main():
-    per_recipe = "; ".join(f"{name}: " + ", ".join(f"--{k} {v}" for k, v in defaults.items())
-                           for name, (_, defaults) in RECIPES.items())
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                epilog=f"Defaults per recipe: {per_recipe}.")
+    per_recipe = "; ".join(
+        f"{name}: " + ", ".join(f"--{k} {v}" for k, v in defaults.items())
+        for name, (_, defaults) in RECIPES.items()
+    )
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], epilog=f"Defaults per recipe: {per_recipe}."
+    )
     p.add_argument("--recipe", choices=sorted(RECIPES), default="mnist")
     p.add_argument("--dataset", help="what the recipe's --dataset takes (default: per recipe)")
-    p.add_argument("--config", help="a YAML file of recipe settings, as the recipe's --config "
-                                    "takes (a preset: recipes/configs/mnist_fast.yaml)")
-    p.add_argument("--steps", type=int, help="optimizer steps per repetition, the last of an epoch "
-                                             "(0: one epoch; default: per recipe)")
-    p.add_argument("--reps", type=int,
-                   help="measured repetitions of each variant (default: per recipe)")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="repetitions of each variant before measuring")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                   help="torch threads, all variants")
+    p.add_argument(
+        "--config",
+        help="a YAML file of recipe settings, as the recipe's --config "
+        "takes (a preset: recipes/configs/mnist_fast.yaml)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="optimizer steps per repetition, the last of an epoch "
+        "(0: one epoch; default: per recipe)",
+    )
+    p.add_argument(
+        "--reps", type=int, help="measured repetitions of each variant (default: per recipe)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=1, help="repetitions of each variant before measuring"
+    )
+    p.add_argument(
+        "--threads", type=int, default=torch.get_num_threads(), help="torch threads, all variants"
+    )
     p.add_argument("--startup_runs", type=int, default=3, help="recipe launches to time (0: skip)")
-    p.add_argument("--json", help="where to write the results (default runs/bench/<recipe>.json, "
-                                  "or <preset>.json with --config; the table beside it, .md)")
-    p.add_argument("--loader", nargs="*", metavar="FLAGS",
-                   help='U-Net: measure the training loader alone, once per FLAGS (recipe '
-                        'settings, "" for the defaults), with no model (see above)')
-    p.add_argument("--also", nargs="+", default=[], choices=["channels_last", "compile"],
-                   help="U-Net: also measure the recipe with channels_last, or compiled (see "
-                        "above)")
-    p.add_argument("--image_size", type=int,
-                   help="U-Net: the recipe's image_size (default: the recipe's)")
-    p.add_argument("--batch_size", type=int,
-                   help="U-Net: the recipe's batch_size (default: the recipe's)")
-    p.add_argument("--startup_cache", action="store_true",
-                   help="MNIST: only time start-up, a first and a second launch on an empty "
-                        "datasets cache (see above)")
+    p.add_argument(
+        "--json",
+        help="where to write the results (default runs/bench/<recipe>.json, "
+        "or <preset>.json with --config; the table beside it, .md)",
+    )
+    p.add_argument(
+        "--loader",
+        nargs="*",
+        metavar="FLAGS",
+        help="U-Net: measure the training loader alone, once per FLAGS (recipe "
+        'settings, "" for the defaults), with no model (see above)',
+    )
+    p.add_argument(
+        "--also",
+        nargs="+",
+        default=[],
+        choices=["channels_last", "compile"],
+        help="U-Net: also measure the recipe with channels_last, or compiled (see above)",
+    )
+    p.add_argument(
+        "--image_size", type=int, help="U-Net: the recipe's image_size (default: the recipe's)"
+    )
+    p.add_argument(
+        "--batch_size", type=int, help="U-Net: the recipe's batch_size (default: the recipe's)"
+    )
+    p.add_argument(
+        "--startup_cache",
+        action="store_true",
+        help="MNIST: only time start-up, a first and a second launch on an empty "
+        "datasets cache (see above)",
+    )
     args = p.parse_args()
     bench, defaults = RECIPES[args.recipe]
     for key, value in defaults.items():  # what the command line left out
@@ -321,8 +459,10 @@ def main():
             p.error("--startup_cache is for --recipe mnist, the recipe with cache_decoded")
         return run_startup_cache(args)
     if min(args.steps, args.warmup, args.startup_runs) < 0 or min(args.reps, args.threads) < 1:
-        p.error("--steps, --warmup and --startup_runs cannot be negative; --reps and --threads "
-                "must be at least 1")
+        p.error(
+            "--steps, --warmup and --startup_runs cannot be negative; --reps and --threads "
+            "must be at least 1"
+        )
     sized = args.image_size is not None or args.batch_size is not None
     if (args.also or sized) and args.recipe != "unet":
         p.error("--also, --image_size and --batch_size are for --recipe unet")

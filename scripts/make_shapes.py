@@ -44,13 +44,20 @@ def shape_pixels(kind, height, width, rng):
     # when it is on the same side of all three edges.
     angles = rng.uniform(0, 2 * np.pi) + np.array([0, 2, 4]) * np.pi / 3
     px, py = cx + r * np.cos(angles), cy + r * np.sin(angles)
-    sides = [(px[j] - px[i]) * (yy - py[i]) - (py[j] - py[i]) * (xx - px[i]) for i, j in ((0, 1), (1, 2), (2, 0))]
-    return ((sides[0] >= 0) & (sides[1] >= 0) & (sides[2] >= 0)) | ((sides[0] <= 0) & (sides[1] <= 0) & (sides[2] <= 0))
+    sides = [
+        (px[j] - px[i]) * (yy - py[i]) - (py[j] - py[i]) * (xx - px[i])
+        for i, j in ((0, 1), (1, 2), (2, 0))
+    ]
+    return ((sides[0] >= 0) & (sides[1] >= 0) & (sides[2] >= 0)) | (
+        (sides[0] <= 0) & (sides[1] <= 0) & (sides[2] <= 0)
+    )
 
 
 def make_pair(i, sizes, seed):
     """Image i: (uint8 RGB [H, W, 3], uint8 mask [H, W]), H and W each drawn from `sizes`."""
-    height, width = np.random.default_rng((seed, i, 1)).choice(sizes, 2) if len(sizes) > 1 else (sizes[0],) * 2
+    height, width = (
+        np.random.default_rng((seed, i, 1)).choice(sizes, 2) if len(sizes) > 1 else (sizes[0],) * 2
+    )
     rng = np.random.default_rng((seed, i))
     image = rng.uniform(40, 215) + rng.uniform(-15, 15, 3) + rng.normal(0, 18, (height, width, 3))
     mask = np.zeros((height, width), np.uint8)
@@ -69,7 +76,9 @@ def main():
     p.add_argument("--out", default="data/shapes", help="folder to write imgs/ and masks/ into")
     p.add_argument("--count", type=int, default=200, help="number of images")
     p.add_argument("--size", type=int, default=64, help="height and width in pixels")
-    p.add_argument("--sizes", help="comma-separated sizes: each image's height and width are drawn from them")
+    p.add_argument(
+        "--sizes", help="comma-separated sizes: each image's height and width are drawn from them"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     sizes = [int(v) for v in args.sizes.split(",")] if args.sizes else [args.size]

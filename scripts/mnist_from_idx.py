@@ -61,9 +61,13 @@ def main():
         labels = read_idx(find(args.idx_dir, f"{prefix}-labels-idx1-ubyte"))
         counts = np.bincount(labels, minlength=10).tolist()
         if images.shape[1:] != (28, 28) or len(images) != len(labels) or counts != COUNTS[prefix]:
-            raise SystemExit(f"error: {prefix} files are not MNIST: images {images.shape}, class counts {counts}")
-        ds = Dataset.from_dict({"image": [PILImage.fromarray(im) for im in images], "label": labels.tolist()},
-                               features=features)
+            raise SystemExit(
+                f"error: {prefix} files are not MNIST: images {images.shape}, class counts {counts}"
+            )
+        ds = Dataset.from_dict(
+            {"image": [PILImage.fromarray(im) for im in images], "label": labels.tolist()},
+            features=features,
+        )
         path = args.out / f"{split}.parquet"
         ds.to_parquet(str(path))
         print(f"wrote {path}: {len(ds)} rows, {path.stat().st_size / 2**20:.1f} MiB")

@@ -34,35 +34,66 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--launcher", choices=["accelerate", "torchrun"], default="accelerate")
-    p.add_argument("--config_file", default="accelerate_configs/2gpu.yaml", help="accelerate launch's config")
+    p.add_argument(
+        "--config_file", default="accelerate_configs/2gpu.yaml", help="accelerate launch's config"
+    )
     p.add_argument("--recipe", default="recipes/mnist.py")
     p.add_argument("--dataset", default="data/mnist_sample")
     p.add_argument("--num_workers", type=int, default=0)
-    p.add_argument("settings", nargs="*", help="more recipe settings, after --: -- --base_channels 8")
+    p.add_argument(
+        "settings", nargs="*", help="more recipe settings, after --: -- --base_channels 8"
+    )
     args = p.parse_args()
 
     clean = 0
     for i in range(1, args.runs + 1):
         if args.launcher == "accelerate":
-            cmd = [BIN / "accelerate", "launch", "--config_file", args.config_file, "--num_processes", "2",
-                   "--main_process_port", str(free_port())]
+            cmd = [
+                BIN / "accelerate",
+                "launch",
+                "--config_file",
+                args.config_file,
+                "--num_processes",
+                "2",
+                "--main_process_port",
+                str(free_port()),
+            ]
         else:
             cmd = [BIN / "torchrun", "--nproc_per_node", "2", "--master_port", str(free_port())]
         out_dir = tempfile.mkdtemp(prefix="stress_exit_")  # a fresh run each time, not a resume
-        cmd += [args.recipe, "--dataset", args.dataset, "--smoke", "--num_workers", str(args.num_workers),
-                "--output_dir", out_dir, *args.settings]
+        cmd += [
+            args.recipe,
+            "--dataset",
+            args.dataset,
+            "--smoke",
+            "--num_workers",
+            str(args.num_workers),
+            "--output_dir",
+            out_dir,
+            *args.settings,
+        ]
         start = time.perf_counter()
-        proc = subprocess.run([str(c) for c in cmd], cwd=REPO, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [str(c) for c in cmd], cwd=REPO, capture_output=True, text=True, timeout=600
+        )
         shutil.rmtree(out_dir)
         out = proc.stdout + proc.stderr
         ok = proc.returncode == 0 and "terminate called" not in out
         clean += ok
-        print(f"run {i}: exit {proc.returncode}, {'clean' if ok else 'NOT CLEAN'}, {time.perf_counter() - start:.1f}s",
-              flush=True)
+        print(
+            f"run {i}: exit {proc.returncode}, {'clean' if ok else 'NOT CLEAN'}, {time.perf_counter() - start:.1f}s",
+            flush=True,
+        )
         if not ok:
             print(out[-3000:])
-    launcher = f"accelerate launch --config_file {args.config_file}" if args.launcher == "accelerate" else "torchrun"
-    print(f"{clean}/{args.runs} clean exits ({launcher}, {args.recipe}, num_workers {args.num_workers})")
+    launcher = (
+        f"accelerate launch --config_file {args.config_file}"
+        if args.launcher == "accelerate"
+        else "torchrun"
+    )
+    print(
+        f"{clean}/{args.runs} clean exits ({launcher}, {args.recipe}, num_workers {args.num_workers})"
+    )
     sys.exit(0 if clean == args.runs else 1)
 
 

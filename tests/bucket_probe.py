@@ -55,12 +55,25 @@ def ids_of(loader):
 spec = json.loads(Path(sys.argv[1]).read_text())
 budget = spec["budget"]
 accelerator = build_accelerator(seed=SEED, timeout_s=60)  # a hang fails in a minute, not ten
-train_loader = bucket_loader(MixedSizes(spec["train"]), spec["train"], budget, accelerator, train=True,
-                             seed=SEED, collate_fn=pad_collate)
-test_loader = bucket_loader(MixedSizes(spec["test"]), spec["test"], budget, accelerator, train=False,
-                            collate_fn=pad_collate)
-model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                      nn.Linear(4, 1))
+train_loader = bucket_loader(
+    MixedSizes(spec["train"]),
+    spec["train"],
+    budget,
+    accelerator,
+    train=True,
+    seed=SEED,
+    collate_fn=pad_collate,
+)
+test_loader = bucket_loader(
+    MixedSizes(spec["test"]), spec["test"], budget, accelerator, train=False, collate_fn=pad_collate
+)
+model = nn.Sequential(
+    nn.Conv2d(1, 4, 3, padding=1),
+    nn.BatchNorm2d(4),
+    nn.AdaptiveAvgPool2d(1),
+    nn.Flatten(),
+    nn.Linear(4, 1),
+)
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 model, optimizer = accelerator.prepare(model, optimizer)
 
@@ -96,8 +109,14 @@ with torch.inference_mode():
         totals[1] += ids.sum()
         eval_batches.append(ids.tolist())
 samples, id_sum = accelerator.reduce(totals, "sum").tolist()
-report.update(eval=eval_batches, eval_len=len(test_loader), eval_samples=samples, eval_id_sum=id_sum,
-              device=str(images.device), world_size=accelerator.num_processes)
+report.update(
+    eval=eval_batches,
+    eval_len=len(test_loader),
+    eval_samples=samples,
+    eval_id_sum=id_sum,
+    device=str(images.device),
+    world_size=accelerator.num_processes,
+)
 
 out = Path(os.environ["PROBE_OUT"])
 (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(report))

@@ -16,16 +16,24 @@ from accelerate.utils import is_compiled_module
 from recipe_module import load_recipe  # first: it puts the repository on sys.path
 from safetensors import safe_open
 from torch.nn.parallel import DistributedDataParallel
+from unet_data import load_data
 
 from common.checkpoint import save_weights
 from common.runtime import build_accelerator, close
-from unet_data import load_data
 
 unet = load_recipe("unet")
 
 shapes, out, val_fraction = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
-cfg = unet.Config(dataset=shapes, output_dir=str(out), val_fraction=val_fraction,
-                  bucket_by_size=True, num_classes=4, in_channels=3, base_channels=4, num_workers=0)
+cfg = unet.Config(
+    dataset=shapes,
+    output_dir=str(out),
+    val_fraction=val_fraction,
+    bucket_by_size=True,
+    num_classes=4,
+    in_channels=3,
+    base_channels=4,
+    num_workers=0,
+)
 accelerator = build_accelerator()
 val_loader = load_data(cfg, accelerator, unet.input_channels).val_loader
 model = unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS})
@@ -35,7 +43,8 @@ model, optimizer = accelerator.prepare(model, optimizer)
 
 def whole(model, when):
     assert is_compiled_module(model) and isinstance(model._orig_mod, DistributedDataParallel), (
-        f"{when}: the compiled model wraps {type(model._orig_mod).__name__}, not DDP")
+        f"{when}: the compiled model wraps {type(model._orig_mod).__name__}, not DDP"
+    )
 
 
 whole(model, "after prepare")
@@ -46,7 +55,10 @@ whole(model, "after save_weights")
 if accelerator.is_main_process:
     with safe_open(out / "model.safetensors", "pt") as f:
         assert not any(k.startswith("_orig_mod.") for k in f.keys()), list(f.keys())[:3]
-print(f"rank {accelerator.process_index}: compiled DDP model whole; {result['eval_samples']} "
-      f"images evaluated", flush=True)
+print(
+    f"rank {accelerator.process_index}: compiled DDP model whole; {result['eval_samples']} "
+    f"images evaluated",
+    flush=True,
+)
 del model, optimizer, val_loader
 close(accelerator)

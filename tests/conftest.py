@@ -35,7 +35,9 @@ class Result:
         return f"exit {self.returncode}\n{self.output[-4000:]}"
 
 
-def launch(script_args, nproc=1, launcher=None, config=None, env=None, timeout=300, launcher_args=()):
+def launch(
+    script_args, nproc=1, launcher=None, config=None, env=None, timeout=300, launcher_args=()
+):
     """Run a recipe the way a user would; return its exit code and combined output.
     launcher: "python", "accelerate" or "torchrun". None: `accelerate launch` with a config or 2
     processes; else `python` on the CPU, as cpu.yaml runs it, without the launcher's 1.5 s.
@@ -50,15 +52,40 @@ def launch(script_args, nproc=1, launcher=None, config=None, env=None, timeout=3
         cmd = [sys.executable, *script_args]
     elif launcher == "accelerate":
         config = config or ("cpu.yaml" if nproc == 1 else "2gpu.yaml")
-        cmd = [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / config,
-               "--num_processes", nproc, "--main_process_port", free_port(), *launcher_args, *script_args]
+        cmd = [
+            BIN / "accelerate",
+            "launch",
+            "--config_file",
+            REPO / "accelerate_configs" / config,
+            "--num_processes",
+            nproc,
+            "--main_process_port",
+            free_port(),
+            *launcher_args,
+            *script_args,
+        ]
     elif launcher == "torchrun":
-        cmd = [BIN / "torchrun", "--nproc_per_node", nproc, "--master_port", free_port(), *launcher_args, *script_args]
+        cmd = [
+            BIN / "torchrun",
+            "--nproc_per_node",
+            nproc,
+            "--master_port",
+            free_port(),
+            *launcher_args,
+            *script_args,
+        ]
     else:
         raise ValueError(launcher)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -86,15 +113,30 @@ def stopped_at(straight, step, split):
 
 def make_shapes(root, count, size):
     """scripts/make_shapes.py into root: count images of size x size with exact masks."""
-    subprocess.run([sys.executable, REPO / "scripts" / "make_shapes.py", "--out", root, "--count", str(count),
-                    "--size", str(size)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            REPO / "scripts" / "make_shapes.py",
+            "--out",
+            root,
+            "--count",
+            str(count),
+            "--size",
+            str(size),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return root
 
 
 def compile_config(tmp_path, base="2gpu.yaml"):
     """A copy of accelerate_configs/<base> that turns torch.compile on, as a user would."""
     path = Path(tmp_path) / f"compile-{base}"
-    path.write_text((REPO / "accelerate_configs" / base).read_text() + "dynamo_config:\n  dynamo_backend: INDUCTOR\n")
+    path.write_text(
+        (REPO / "accelerate_configs" / base).read_text()
+        + "dynamo_config:\n  dynamo_backend: INDUCTOR\n"
+    )
     return path
 
 
@@ -115,12 +157,15 @@ def assert_ema_is_evaluated_and_followed(out, steps, steps_per_epoch):
     import torch
     from safetensors.torch import load_file
 
-    model, averaged = (load_file(Path(out) / f"{name}.safetensors")
-                       for name in ("model", "model_ema"))
+    model, averaged = (
+        load_file(Path(out) / f"{name}.safetensors") for name in ("model", "model_ema")
+    )
     assert not torch.equal(model["fc2.weight"], averaged["fc2.weight"])
     rows = read_metrics(out)
-    assert all(r["ema_eval_samples"] == r["eval_samples"] == N_TEST and 0 < r["ema_accuracy"] <= 1
-               for r in rows)
+    assert all(
+        r["ema_eval_samples"] == r["eval_samples"] == N_TEST and 0 < r["ema_accuracy"] <= 1
+        for r in rows
+    )
     complete = [r["ema_accuracy"] for r in rows if r["step"] % steps_per_epoch == 0]  # whole epochs
     state = Path(out) / "checkpoints" / f"step-{steps:08d}" / "trainer_state.json"
     state = json.loads(state.read_text())
@@ -131,10 +176,13 @@ def _write_split(path, images, labels):
     import datasets
     from PIL import Image
 
-    features = datasets.Features({"image": datasets.Image(),
-                                  "label": datasets.ClassLabel(names=[str(i) for i in range(10)])})
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(i) for i in range(10)])}
+    )
     ds = datasets.Dataset.from_dict(
-        {"image": [Image.fromarray(im) for im in images], "label": [int(y) for y in labels]}, features=features)
+        {"image": [Image.fromarray(im) for im in images], "label": [int(y) for y in labels]},
+        features=features,
+    )
     ds.to_parquet(str(path))
 
 
@@ -169,8 +217,24 @@ def mnist_checkpoint(tiny_mnist, tmp_path_factory):
     """A `python recipes/mnist.py` run on tiny_mnist stopped by max_steps at step 2 (batch 32, 8 steps
     an epoch): its checkpoint is mid-epoch. Tests read it as it is, or break a copy of it."""
     out = tmp_path_factory.mktemp("mnist_checkpoint")
-    assert_ok(launch(["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", out, "--max_steps", 2,
-                      "--batch_size", 32, "--eval_batch_size", 256], launcher="python"))
+    assert_ok(
+        launch(
+            [
+                "recipes/mnist.py",
+                "--dataset",
+                tiny_mnist,
+                "--output_dir",
+                out,
+                "--max_steps",
+                2,
+                "--batch_size",
+                32,
+                "--eval_batch_size",
+                256,
+            ],
+            launcher="python",
+        )
+    )
     return out
 
 

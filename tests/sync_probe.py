@@ -15,9 +15,9 @@ import sys
 
 import torch
 from recipe_module import load_recipe  # first: it puts the repository on sys.path
+from unet_data import load_data
 
 from common.runtime import build_accelerator, close
-from unet_data import load_data
 
 mnist_dir, shapes_dir = sys.argv[1:3]
 mnist, unet = load_recipe("mnist"), load_recipe("unet")
@@ -32,8 +32,14 @@ for on_device in (True, False):
     loaders[f"mnist data_on_device {on_device}"] = accelerator.prepare(train_loader)
 # As the recipe's main() builds them.
 for bucketed, cache in itertools.product((False, True), (True, False)):
-    cfg = unet.Config(dataset=shapes_dir, batch_size=4, num_workers=2, bucket_by_size=bucketed,
-                      cache_images=cache, vflip=0.5)
+    cfg = unet.Config(
+        dataset=shapes_dir,
+        batch_size=4,
+        num_workers=2,
+        bucket_by_size=bucketed,
+        cache_images=cache,
+        vflip=0.5,
+    )
     augment = functools.partial(unet.augment, cfg=cfg)
     data = load_data(cfg, accelerator, unet.input_channels, augment)
     # Bucketed loaders are sharded and placed by common/sampler.py; the others go through prepare().

@@ -10,12 +10,12 @@ import time
 
 import numpy as np
 import pytest
-from PIL import Image
-
-from common.data import DataError
 from conftest import REPO, assert_ok, launch
+from PIL import Image
 from recipe_module import load_recipe
 from unet_data import open_sources
+
+from common.data import DataError
 
 MNIST, UNET = "recipes/mnist.py", "recipes/unet.py"
 UNET_FAST = ["--base_channels", 8, "--val_fraction", 0.2, "--eval_batch_size", 4, "--batch_size", 4]
@@ -75,8 +75,9 @@ def broken_copy(src, dst, relative, change):
 
 
 @pytest.mark.slow
-def test_decode_images_matches_datasets_decoding_and_names_a_bad_file(imagefolder, tiny_mnist,
-                                                                       tmp_path):
+def test_decode_images_matches_datasets_decoding_and_names_a_bad_file(
+    imagefolder, tiny_mnist, tmp_path
+):
     import datasets
 
     from common.data import decode_images
@@ -86,8 +87,10 @@ def test_decode_images_matches_datasets_decoding_and_names_a_bad_file(imagefolde
         ours = decode_images(split, "image", "train split")
         theirs = list(split["image"])
         assert len(ours) == len(theirs) > 0
-        assert all(a.mode == b.mode and np.array_equal(np.asarray(a), np.asarray(b))
-                   for a, b in zip(ours, theirs))
+        assert all(
+            a.mode == b.mode and np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(ours, theirs)
+        )
     bad = broken_copy(imagefolder, tmp_path / "data", "train/3/013.png", garble)
     split = datasets.load_dataset(str(tmp_path / "data"))["train"]
     with pytest.raises(DataError, match=re.escape(f"train split: cannot read image {bad} (")):
@@ -98,8 +101,19 @@ def test_decode_images_matches_datasets_decoding_and_names_a_bad_file(imagefolde
 @pytest.mark.parametrize("change", [garble, truncate])
 def test_a_bad_png_in_an_imagefolder_stops_with_one_line_naming_it(change, imagefolder, tmp_path):
     bad = broken_copy(imagefolder, tmp_path / "data", "test/7/017.png", change)
-    res = launch([MNIST, "--dataset", tmp_path / "data", "--output_dir", tmp_path / "out",
-                  "--smoke", "--batch_size", 8], launcher="python")
+    res = launch(
+        [
+            MNIST,
+            "--dataset",
+            tmp_path / "data",
+            "--output_dir",
+            tmp_path / "out",
+            "--smoke",
+            "--batch_size",
+            8,
+        ],
+        launcher="python",
+    )
     line = assert_one_line(res, f"test split: cannot read image {bad} (", "fix or remove the file")
     assert "Traceback" not in res.output, line
 
@@ -107,8 +121,20 @@ def test_a_bad_png_in_an_imagefolder_stops_with_one_line_naming_it(change, image
 def test_a_bad_png_stops_both_ranks_quickly_with_one_line(imagefolder, tmp_path):
     bad = broken_copy(imagefolder, tmp_path / "data", "train/3/013.png", truncate)
     start = time.monotonic()
-    res = launch([MNIST, "--dataset", tmp_path / "data", "--output_dir", tmp_path / "out",
-                  "--smoke", "--batch_size", 8], nproc=2, timeout=120)
+    res = launch(
+        [
+            MNIST,
+            "--dataset",
+            tmp_path / "data",
+            "--output_dir",
+            tmp_path / "out",
+            "--smoke",
+            "--batch_size",
+            8,
+        ],
+        nproc=2,
+        timeout=120,
+    )
     assert time.monotonic() - start < 60, res
     errors = error_lines(res)
     assert len(errors) == 1 and f"train split: cannot read image {bad} (" in errors[0], res
@@ -116,8 +142,10 @@ def test_a_bad_png_stops_both_ranks_quickly_with_one_line(imagefolder, tmp_path)
 
 @pytest.mark.slow
 def test_a_clean_imagefolder_trains(imagefolder, tmp_path):
-    res = launch([MNIST, "--dataset", imagefolder, "--output_dir", tmp_path, "--smoke",
-                  "--batch_size", 8], launcher="python")
+    res = launch(
+        [MNIST, "--dataset", imagefolder, "--output_dir", tmp_path, "--smoke", "--batch_size", 8],
+        launcher="python",
+    )
     assert_ok(res)
     assert "40 train / 40 test samples" in res.output, res
 
@@ -130,8 +158,10 @@ def test_a_clean_imagefolder_trains(imagefolder, tmp_path):
 def test_a_bad_parquet_file_is_named(file, change, tiny_mnist, tmp_path):
     # A bad first file fails as datasets reads the schema; a bad later one as it reads the rows.
     bad = broken_copy(tiny_mnist, tmp_path / "data", file, change)
-    res = launch([MNIST, "--dataset", tmp_path / "data", "--output_dir", tmp_path / "out",
-                  "--smoke"], launcher="python")
+    res = launch(
+        [MNIST, "--dataset", tmp_path / "data", "--output_dir", tmp_path / "out", "--smoke"],
+        launcher="python",
+    )
     assert_one_line(res, f"cannot read {bad} (", "truncated or not a parquet file")
 
 
@@ -141,15 +171,21 @@ def test_a_bad_parquet_file_is_named(file, change, tiny_mnist, tmp_path):
 @pytest.mark.slow
 def test_an_unreachable_hub_name_names_the_local_data_that_works_here(tmp_path):
     res = launch([MNIST, "--output_dir", tmp_path], launcher="python")  # the default, ylecun/mnist
-    assert_one_line(res, "could not load 'ylecun/mnist'", "point --dataset at a local folder",
-                    "--dataset data/mnist_sample", "make data/mnist_full")
+    assert_one_line(
+        res,
+        "could not load 'ylecun/mnist'",
+        "point --dataset at a local folder",
+        "--dataset data/mnist_sample",
+        "make data/mnist_full",
+    )
 
 
 @pytest.mark.slow
 def test_a_mistyped_local_path_says_it_does_not_exist(tmp_path):
     assert (REPO / "data").is_dir()
-    res = launch([MNIST, "--dataset", "data/mnist_sampel", "--output_dir", tmp_path],
-                 launcher="python")
+    res = launch(
+        [MNIST, "--dataset", "data/mnist_sampel", "--output_dir", tmp_path], launcher="python"
+    )
     line = assert_one_line(res, "dataset path data/mnist_sampel does not exist: check --dataset")
     assert "no internet" not in line and "could not load" not in line
 
@@ -165,8 +201,20 @@ def unet():
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
     root = tmp_path_factory.mktemp("shapes")
-    subprocess.run([sys.executable, REPO / "scripts" / "make_shapes.py", "--out", root, "--count",
-                    "20", "--size", "48"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            REPO / "scripts" / "make_shapes.py",
+            "--out",
+            root,
+            "--count",
+            "20",
+            "--size",
+            "48",
+        ],
+        check=True,
+        capture_output=True,
+    )
     return root
 
 
@@ -189,8 +237,22 @@ def test_a_bad_file_found_by_the_scan_stops_both_ranks_with_one_line(unet, shape
     shutil.copytree(shapes, tmp_path / "data")
     bad = pair(unet, tmp_path / "data", 1, 0)  # rank 1's: its message reaches rank 0, gathered
     garble(bad)
-    res = launch([UNET, "--dataset", tmp_path / "data", "--output_dir", tmp_path / "out", "--smoke",
-                  "--num_workers", 0, *UNET_FAST], nproc=2, env=ONE_THREAD, timeout=120)
+    res = launch(
+        [
+            UNET,
+            "--dataset",
+            tmp_path / "data",
+            "--output_dir",
+            tmp_path / "out",
+            "--smoke",
+            "--num_workers",
+            0,
+            *UNET_FAST,
+        ],
+        nproc=2,
+        env=ONE_THREAD,
+        timeout=120,
+    )
     errors = error_lines(res)
     assert len(errors) == 1 and f"cannot read image {bad} (" in errors[0], res
 
@@ -199,15 +261,18 @@ def test_a_bad_file_found_by_the_scan_stops_both_ranks_with_one_line(unet, shape
 @pytest.mark.parametrize("change", [truncate, garble], ids=["truncated mask", "garbage mask"])
 def test_a_bad_mask_found_by_the_scan_is_named(change, unet, shapes, tmp_path):
     # What the scan says; the launch above shows that what rank 1 finds reaches the user once.
-    from common.runtime import build_accelerator
     from unet_data import scan_masks
+
+    from common.runtime import build_accelerator
 
     shutil.copytree(shapes, tmp_path / "data")
     bad = pair(unet, tmp_path / "data", 1, 1)
     change(bad)
     with pytest.raises(DataError, match=re.escape(f"cannot read mask {bad} (")):
-        scan_masks(build_accelerator(),
-                   open_sources(unet.Config(dataset=str(tmp_path / "data"), val_fraction=0.2)))
+        scan_masks(
+            build_accelerator(),
+            open_sources(unet.Config(dataset=str(tmp_path / "data"), val_fraction=0.2)),
+        )
 
 
 @pytest.fixture
@@ -224,25 +289,58 @@ def truncated_image(unet, shapes, tmp_path):
 @pytest.mark.slow
 def test_a_truncated_image_stops_with_one_line_without_workers(truncated_image, tmp_path):
     root, bad = truncated_image
-    res = launch([UNET, "--dataset", root, "--output_dir", tmp_path / "out", "--smoke",
-                  "--num_workers", 0, "--cache_images", "false", *UNET_FAST], launcher="python",
-                 env=ONE_THREAD)
+    res = launch(
+        [
+            UNET,
+            "--dataset",
+            root,
+            "--output_dir",
+            tmp_path / "out",
+            "--smoke",
+            "--num_workers",
+            0,
+            "--cache_images",
+            "false",
+            *UNET_FAST,
+        ],
+        launcher="python",
+        env=ONE_THREAD,
+    )
     assert res.returncode == 2 and "Traceback" not in res.output, res  # after the start-up lines:
-    assert error_lines(res) == [f"error: cannot read image {bad} (image file is truncated): fix or "
-                                f"remove the file"]
+    assert error_lines(res) == [
+        f"error: cannot read image {bad} (image file is truncated): fix or remove the file"
+    ]
 
 
 @pytest.mark.slow
-def test_a_truncated_image_read_by_a_worker_is_named_and_the_run_exits_at_once(truncated_image,
-                                                                               tmp_path):
+def test_a_truncated_image_read_by_a_worker_is_named_and_the_run_exits_at_once(
+    truncated_image, tmp_path
+):
     # Two loaders with a persistent worker each: torch's own shutdown after the error waited 5 s
     # for each worker, so the process lingered 10 s after its error line.
     root, bad = truncated_image
-    cmd = [sys.executable, UNET, "--dataset", root, "--output_dir", tmp_path / "out", "--smoke",
-           "--num_workers", 1, "--cache_images", "false", *UNET_FAST]
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD})
+    cmd = [
+        sys.executable,
+        UNET,
+        "--dataset",
+        root,
+        "--output_dir",
+        tmp_path / "out",
+        "--smoke",
+        "--num_workers",
+        1,
+        "--cache_images",
+        "false",
+        *UNET_FAST,
+    ]
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD},
+    )
     output, said = "", None
     for line in proc.stdout:  # "error:" follows the progress bar's carriage returns on its line
         output += line
@@ -255,13 +353,29 @@ def test_a_truncated_image_read_by_a_worker_is_named_and_the_run_exits_at_once(t
 
 
 @pytest.mark.slow
-def test_a_truncated_image_stops_both_ranks_with_one_line_as_they_fill_the_cache(truncated_image,
-                                                                                 tmp_path):
+def test_a_truncated_image_stops_both_ranks_with_one_line_as_they_fill_the_cache(
+    truncated_image, tmp_path
+):
     # Every process decodes every image into its cache, in the same order: both find the same
     # first bad file before training, and rank 0 says it.
     root, bad = truncated_image
-    res = launch([UNET, "--dataset", root, "--output_dir", tmp_path / "out", "--smoke",
-                  "--cache_images", "true", *UNET_FAST], nproc=2, env=ONE_THREAD, timeout=120)
-    assert error_lines(res) == [f"error: cannot read image {bad} (image file is truncated): fix or "
-                                f"remove the file"]
+    res = launch(
+        [
+            UNET,
+            "--dataset",
+            root,
+            "--output_dir",
+            tmp_path / "out",
+            "--smoke",
+            "--cache_images",
+            "true",
+            *UNET_FAST,
+        ],
+        nproc=2,
+        env=ONE_THREAD,
+        timeout=120,
+    )
+    assert error_lines(res) == [
+        f"error: cannot read image {bad} (image file is truncated): fix or remove the file"
+    ]
     assert "unet: " not in res.output, res  # stopped before the start-up line: no training began

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, assert_ok, launch
 from recipe_module import load_recipe
 
@@ -20,9 +19,26 @@ def test_bench_runs_the_fast_preset_with_its_optimizer_and_schedule(tiny_mnist, 
     # The preset's OneCycleLR is planned over its 2 epochs (4 steps) and raises when stepped more
     # often: the recipe's 6 steps pass only because the bench plans it over its repetitions.
     out = tmp_path / "fast.json"
-    res = launch(["scripts/bench.py", "--config", "recipes/configs/mnist_fast.yaml",
-                  "--dataset", tiny_mnist, "--warmup", 1, "--reps", 2, "--startup_runs", 1,
-                  "--threads", 1, "--json", out], launcher="python")
+    res = launch(
+        [
+            "scripts/bench.py",
+            "--config",
+            "recipes/configs/mnist_fast.yaml",
+            "--dataset",
+            tiny_mnist,
+            "--warmup",
+            1,
+            "--reps",
+            2,
+            "--startup_runs",
+            1,
+            "--threads",
+            1,
+            "--json",
+            out,
+        ],
+        launcher="python",
+    )
     assert_ok(res)
     report = json.loads(out.read_text())
     assert report["optimizer"].startswith("adamw(lr=0.004, weight_decay=0.01), scheduler onecycle")
@@ -40,8 +56,12 @@ def test_bench_runs_the_fast_preset_with_its_optimizer_and_schedule(tiny_mnist, 
 def test_flops_per_sample_counts_forward_and_backward_of_one_sample():
     # Linear 4 -> 3: forward 2 x 4 x 3 per sample; backward the weight gradient only (the input
     # needs none), 2 x 4 x 3 again.
-    flops = flops_per_sample(lambda: torch.nn.Linear(4, 3), torch.zeros(4), torch.zeros(3),
-                             lambda out, y: ((out - y) ** 2).mean())
+    flops = flops_per_sample(
+        lambda: torch.nn.Linear(4, 3),
+        torch.zeros(4),
+        torch.zeros(3),
+        lambda out, y: ((out - y) ** 2).mean(),
+    )
     assert flops == 48
     # The default U-Net (64 base channels, 4 classes) on 256x256: 288.9 GFLOP, as counted on the
     # H100 for issue 18.
@@ -49,6 +69,8 @@ def test_flops_per_sample_counts_forward_and_backward_of_one_sample():
     cfg = unet.Config(num_classes=4, in_channels=3)
     flops = flops_per_sample(
         lambda: unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS}),
-        torch.zeros(3, 256, 256, dtype=torch.uint8), torch.zeros(256, 256, dtype=torch.long),
-        lambda logits, y: unet.loss_per_image(logits, y, cfg.num_classes).mean())
+        torch.zeros(3, 256, 256, dtype=torch.uint8),
+        torch.zeros(256, 256, dtype=torch.long),
+        lambda logits, y: unet.loss_per_image(logits, y, cfg.num_classes).mean(),
+    )
     assert round(flops / 1e9, 1) == 288.9

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import pytest
+from conftest import launch
+from recipe_module import load_recipe
 
 from common.config import ConfigError, ShowHelp, parse_config
 from common.data import DataError
-from conftest import launch
-from recipe_module import load_recipe
 
 
 @dataclass
@@ -21,7 +21,7 @@ class Toy:
     epochs: int = 3
     name: str = "a"
     smoke: bool = False
-    weights: Optional[str] = None
+    weights: str | None = None
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Base:
     steps: int = 0  # stop after this many steps (0: no limit)
     # Checkpoints: the full state, for a resume.
     keep: int = 3  # delete older ones
-    tag: Optional[str] = None
+    tag: str | None = None
 
 
 @dataclass
@@ -85,11 +85,15 @@ def test_bad_yaml_is_rejected(tmp_path):
     with pytest.raises(ConfigError, match="unknown setting 'batchsize' in .*unknown.yaml"):
         parse_config(Toy, ["--config", str(tmp_path / "unknown.yaml")])
     (tmp_path / "typed.yaml").write_text("epochs: '5'\nsmoke: 1.5\n")
-    with pytest.raises(ConfigError, match="smoke in .*typed.yaml must be a bool \\(true/false\\), got 1.5"):
+    with pytest.raises(
+        ConfigError, match="smoke in .*typed.yaml must be a bool \\(true/false\\), got 1.5"
+    ):
         parse_config(Toy, ["--config", str(tmp_path / "typed.yaml")])
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["--steps", "x", "--bogus", "-h"], ["--width=2", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["-h"], ["--steps", "x", "--bogus", "-h"], ["--width=2", "--help"]]
+)
 def test_help_lists_every_field_with_its_default_and_comment(argv):
     with pytest.raises(ShowHelp) as e:
         parse_config(Child, argv)
@@ -108,26 +112,41 @@ def test_help_lists_every_field_with_its_default_and_comment(argv):
     assert "  --tag STR (default: none)" in lines  # no comment
     assert width in lines and "  --name STR (default: unet#2)" in lines
     # Sections in the order the fields are defined: the base class's, then the subclass's.
-    order = ["How long to run.", steps, "Checkpoints: the full state, for a resume.", keep, "  --tag STR (default: none)",
-             "Model.", width]
+    order = [
+        "How long to run.",
+        steps,
+        "Checkpoints: the full state, for a resume.",
+        keep,
+        "  --tag STR (default: none)",
+        "Model.",
+        width,
+    ]
     assert [lines.index(line) for line in order] == sorted(lines.index(line) for line in order)
 
 
 def test_an_optional_bool_takes_auto_and_says_so_in_the_help(tmp_path):
     @dataclass
     class Layout:
-        channels_last: Optional[bool] = None  # auto: on with CUDA
+        channels_last: bool | None = None  # auto: on with CUDA
 
     assert parse_config(Layout, []).channels_last is None
-    for value, parsed in (("auto", None), ("AUTO", None), ("none", None), ("true", True), ("off", False)):
+    for value, parsed in (
+        ("auto", None),
+        ("AUTO", None),
+        ("none", None),
+        ("true", True),
+        ("off", False),
+    ):
         assert parse_config(Layout, ["--channels_last", value]).channels_last is parsed, value
     assert parse_config(Layout, ["--channels_last"]).channels_last is True  # a bare flag: true
     (tmp_path / "c.yaml").write_text("channels_last: auto\n")
     assert parse_config(Layout, ["--config", str(tmp_path / "c.yaml")]).channels_last is None
     (tmp_path / "c.yaml").write_text("channels_last: false\n")
     assert parse_config(Layout, ["--config", str(tmp_path / "c.yaml")]).channels_last is False
-    with pytest.raises(ConfigError, match=re.escape("--channels_last must be a bool (true/false) or auto, "
-                                                    "got 'maybe'")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape("--channels_last must be a bool (true/false) or auto, got 'maybe'"),
+    ):
         parse_config(Layout, ["--channels_last", "maybe"])
     with pytest.raises(ShowHelp) as e:
         parse_config(Layout, ["--help"])
@@ -151,12 +170,17 @@ def test_help_of_the_mnist_recipe(mnist):
     assert lines[0].startswith("usage: python ")
     assert lines[0].endswith("recipes/mnist.py [--config FILE.yaml] [--name value ...]")
     assert "  --dataset STR (default: ylecun/mnist)  hub name or local folder" in lines
-    assert "  --max_steps INT (default: 0)  stop after this many optimizer steps (0: train all epochs)" in lines
+    assert (
+        "  --max_steps INT (default: 0)  stop after this many optimizer steps (0: train all epochs)"
+        in lines
+    )
     assert "  --epochs INT (default: 14)" in lines
     assert "  --lr FLOAT (default: 1.0)  learning rate; onecycle: its peak" in lines
     smoke = "  --smoke BOOL (default: false)  train smoke_steps steps of one epoch, then evaluate: for tests and CI"
     assert smoke in lines
-    assert "Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume." in lines
+    assert (
+        "Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume." in lines
+    )
     for f in dataclasses.fields(mnist.Config):
         assert sum(line.startswith(f"  --{f.name} ") for line in lines) == 1, f.name
     assert max(len(line) for line in lines[1:]) <= 110, text  # lines[0] holds a path
@@ -170,9 +194,16 @@ def test_help_of_the_mnist_recipe(mnist):
         (["--num_train_epochs", "3"], "num_train_epochs", "(did you mean epochs?);"),
         (["--learning_rate", "0.1"], "learning_rate", "(did you mean lr?);"),
         (["--dry-run"], "dry_run", "(did you mean smoke?);"),
-        (["--per_device_train_batch_size=8"], "per_device_train_batch_size", "(did you mean batch_size?);"),
-        (["--save-model"], "save_model",
-         "(not needed: the weights are always written, as output_dir/model.safetensors);"),
+        (
+            ["--per_device_train_batch_size=8"],
+            "per_device_train_batch_size",
+            "(did you mean batch_size?);",
+        ),
+        (
+            ["--save-model"],
+            "save_model",
+            "(not needed: the weights are always written, as output_dir/model.safetensors);",
+        ),
         (["--fp16"], "fp16", "(precision comes from the accelerate config: "),
         (["--batchsize", "8"], "batchsize", "(did you mean batch_size?);"),  # not an alias: difflib
         (["--eval_batch_sizes", "8"], "eval_batch_sizes", "(did you mean eval_batch_size?);"),
@@ -190,11 +221,19 @@ def test_names_from_other_scripts_get_a_hint(mnist, argv, name, hint):
 def test_an_alias_hints_only_at_a_field_of_the_class(tmp_path):
     with pytest.raises(ConfigError) as e:
         parse_config(Toy, ["--test-batch-size", "100"])  # Toy has no eval_batch_size
-    assert str(e.value).startswith("unknown setting 'test_batch_size' in the command line; valid settings: ")
-    with pytest.raises(ConfigError, match=r"unknown setting 'learning_rate' in the command line \(did you mean lr\?\)"):
+    assert str(e.value).startswith(
+        "unknown setting 'test_batch_size' in the command line; valid settings: "
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown setting 'learning_rate' in the command line \(did you mean lr\?\)",
+    ):
         parse_config(Toy, ["--learning-rate", "0.1"])
     (tmp_path / "hf.yaml").write_text("num_train_epochs: 3\n")
-    with pytest.raises(ConfigError, match=r"unknown setting 'num_train_epochs' in .*hf.yaml \(did you mean epochs\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown setting 'num_train_epochs' in .*hf.yaml \(did you mean epochs\?\)",
+    ):
         parse_config(Toy, ["--config", str(tmp_path / "hf.yaml")])
 
 
@@ -215,12 +254,14 @@ def test_the_recipe_rejects_bad_settings(mnist, args, message):
 
 @pytest.mark.parametrize(
     "dataset, message",
-    [("./no/such/dir", "dataset path ./no/such/dir does not exist"), ("ylecun/mnist", "point --dataset at a local folder")],
+    [
+        ("./no/such/dir", "dataset path ./no/such/dir does not exist"),
+        ("ylecun/mnist", "point --dataset at a local folder"),
+    ],
 )
 def test_the_recipe_says_where_data_is_missing(mnist, dataset, message):
     with pytest.raises(DataError, match=re.escape(message)):
         mnist.make_loaders(mnist.Config(dataset=dataset))
-
 
 
 @pytest.mark.slow
@@ -232,14 +273,19 @@ def test_an_unreachable_hub_is_tried_once_where_datasets_was_imported_already(mn
 
     tried = []
     connect = socket.socket.connect
-    monkeypatch.setattr(socket.socket, "connect", lambda s, address: tried.append(address) or connect(s, address))
+    monkeypatch.setattr(
+        socket.socket, "connect", lambda s, address: tried.append(address) or connect(s, address)
+    )
     with pytest.raises(DataError, match="point --dataset at a local folder"):
         mnist.make_loaders(mnist.Config(dataset="ylecun/mnist"))
     assert tried == [("127.0.0.1", 9)]
 
+
 def one_error_line(res):
     """The one line of a run that stopped on bad input, less `python -X importtime`'s lines."""
-    lines = [line for line in res.output.strip().splitlines() if not line.startswith("import time:")]
+    lines = [
+        line for line in res.output.strip().splitlines() if not line.startswith("import time:")
+    ]
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), res
     return lines[0]
 
@@ -247,24 +293,50 @@ def one_error_line(res):
 def test_a_bad_setting_and_missing_data_are_one_line_and_load_no_compiler(tmp_path):
     # The launches behind the two tests above. A run that stops before its optimizer exists has
     # no use for torch's compiler: importing it cost every such run over a second.
-    res = launch(["recipes/mnist.py", "--output_dir", tmp_path, "--batch_size", "0"], launcher="python")
+    res = launch(
+        ["recipes/mnist.py", "--output_dir", tmp_path, "--batch_size", "0"], launcher="python"
+    )
     assert "batch_size must be at least 1, got 0" in one_error_line(res)
-    res = launch(["-X", "importtime", "recipes/mnist.py", "--output_dir", tmp_path, "--dataset", "./no/such/dir"],
-                 launcher="python")
+    res = launch(
+        [
+            "-X",
+            "importtime",
+            "recipes/mnist.py",
+            "--output_dir",
+            tmp_path,
+            "--dataset",
+            "./no/such/dir",
+        ],
+        launcher="python",
+    )
     assert "dataset path ./no/such/dir does not exist" in one_error_line(res)
-    imported = {line.split("|")[-1].strip() for line in res.output.splitlines() if line.startswith("import time:")}
+    imported = {
+        line.split("|")[-1].strip()
+        for line in res.output.splitlines()
+        if line.startswith("import time:")
+    }
     assert "torch" in imported and not {"torch._dynamo", "torch._inductor"} & imported
 
 
 def test_help_lists_every_setting_and_exits_0_without_importing_torchvision():
-    res = launch(["-X", "importtime", "recipes/unet.py", "--help", "--bogus", "1"], launcher="python")
+    res = launch(
+        ["-X", "importtime", "recipes/unet.py", "--help", "--bogus", "1"], launcher="python"
+    )
     assert res.returncode == 0, res
-    imported = {line.split("|")[-1].strip() for line in res.output.splitlines() if line.startswith("import time:")}
+    imported = {
+        line.split("|")[-1].strip()
+        for line in res.output.splitlines()
+        if line.startswith("import time:")
+    }
     assert "torch" in imported and "torchvision" not in imported  # over a second, for nothing
-    text = "".join(line for line in res.output.splitlines(keepends=True) if not line.startswith("import time:"))
+    text = "".join(
+        line for line in res.output.splitlines(keepends=True) if not line.startswith("import time:")
+    )
     assert text.startswith("usage: python recipes/unet.py"), res
-    for line in ("--max_steps INT (default: 0)  stop after this many optimizer steps",  # RunConfig
-                 "--num_classes INT (default: 0)  with background; 0: one per mask value",  # SegmentationConfig
-                 "--base_channels INT (default: 64)  width of the first level",  # the recipe's own
-                 "--log_every INT (default: 20)"):  # redeclared in the recipe
+    for line in (
+        "--max_steps INT (default: 0)  stop after this many optimizer steps",  # RunConfig
+        "--num_classes INT (default: 0)  with background; 0: one per mask value",  # SegmentationConfig
+        "--base_channels INT (default: 64)  width of the first level",  # the recipe's own
+        "--log_every INT (default: 20)",
+    ):  # redeclared in the recipe
         assert line in text, res

@@ -6,12 +6,12 @@ import shutil
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import N_TEST, N_TRAIN, assert_ok, launch, read_metrics
+from recipe_module import load_recipe
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from common.data import cached_tensors, load_splits
-from conftest import N_TEST, N_TRAIN, assert_ok, launch, read_metrics
-from recipe_module import load_recipe
 
 RECIPE = "recipes/mnist.py"
 
@@ -30,9 +30,23 @@ def test_a_second_run_reads_the_cache_and_trains_the_same(tiny_mnist, tmp_path):
     hf_home, folder = tmp_path / "hf_home", tmp_path / "hf_home" / "datasets" / "decoded"
 
     def run(out, *args):
-        res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path / out, "--smoke",
-                      "--batch_size", 32, "--eval_batch_size", 256, *args],
-                     launcher="python", env={"HF_HOME": str(hf_home)})
+        res = launch(
+            [
+                RECIPE,
+                "--dataset",
+                tiny_mnist,
+                "--output_dir",
+                tmp_path / out,
+                "--smoke",
+                "--batch_size",
+                32,
+                "--eval_batch_size",
+                256,
+                *args,
+            ],
+            launcher="python",
+            env={"HF_HOME": str(hf_home)},
+        )
         assert_ok(res)
         return read_metrics(tmp_path / out)[0], tmp_path / out / "model.safetensors"
 
@@ -74,7 +88,9 @@ def test_changed_data_files_are_decoded_anew(tiny_mnist, tmp_path, monkeypatch):
     decoder = Decoder(train)
     x, y = cached_tensors(train, ["label"], decoder)
     assert decoder.calls == 1 and len(y) == N_TRAIN
-    assert torch.equal(cached_tensors(train, ["label"], decoder)[1], y) and decoder.calls == 1  # read
+    assert (
+        torch.equal(cached_tensors(train, ["label"], decoder)[1], y) and decoder.calls == 1
+    )  # read
     cached_tensors(train, ["other", "columns"], decoder)  # another key: made again
     assert decoder.calls == 2
     pq.write_table(pq.read_table(data / "train.parquet").slice(0, 200), data / "train.parquet")
@@ -85,7 +101,9 @@ def test_changed_data_files_are_decoded_anew(tiny_mnist, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "empty"])
-def test_a_damaged_cache_file_is_made_again_and_rewritten(damage, tiny_mnist, tmp_path, monkeypatch, capsys):
+def test_a_damaged_cache_file_is_made_again_and_rewritten(
+    damage, tiny_mnist, tmp_path, monkeypatch, capsys
+):
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))

@@ -6,12 +6,18 @@ import shutil
 
 import pytest
 import torch
+from conftest import (
+    assert_ema_is_evaluated_and_followed,
+    assert_ok,
+    launch,
+    make_shapes,
+    read_metrics,
+    stopped_at,
+)
+from recipe_module import load_recipe
 from safetensors.torch import load_file
 
 from common.config import ConfigError, parse_config
-from conftest import assert_ema_is_evaluated_and_followed, assert_ok, launch, make_shapes
-from conftest import read_metrics, stopped_at
-from recipe_module import load_recipe
 
 MNIST = "recipes/mnist.py"
 # 256 train samples, batch 32: 8 optimizer steps per epoch on 1 process, 4 on 2.
@@ -36,8 +42,17 @@ def test_the_moving_average_resumes_bit_identically(tiny_mnist, tmp_path):
     # test_two_process_resume_is_exact_too_with_the_moving_average, one run for both.
     straight, split = tmp_path / "straight", tmp_path / "split"
     ema = ["--ema_decay", 0.9]
-    train(tiny_mnist, straight, *ema, "--max_steps", 10, "--checkpoint_every_steps", 3,
-          "--keep_checkpoints", 5)
+    train(
+        tiny_mnist,
+        straight,
+        *ema,
+        "--max_steps",
+        10,
+        "--checkpoint_every_steps",
+        3,
+        "--keep_checkpoints",
+        5,
+    )
     stopped_at(straight, 3, split)  # mid-epoch 1
     res = train(tiny_mnist, split, *ema, "--max_steps", 10, "--resume", "latest")
     assert "(epoch 1, step 3)" in res.output
@@ -49,31 +64,66 @@ def test_the_moving_average_resumes_bit_identically(tiny_mnist, tmp_path):
 @pytest.mark.slow
 def test_a_checkpoint_resumes_only_with_its_ema_setting(tiny_mnist, mnist_checkpoint, tmp_path):
     run = shutil.copytree(mnist_checkpoint, tmp_path / "run")  # written without ema_decay
-    res = launch([MNIST, "--dataset", tiny_mnist, "--output_dir", run, *COMMON, "--resume", "latest",
-                  "--ema_decay", 0.9], launcher="python")
+    res = launch(
+        [
+            MNIST,
+            "--dataset",
+            tiny_mnist,
+            "--output_dir",
+            run,
+            *COMMON,
+            "--resume",
+            "latest",
+            "--ema_decay",
+            0.9,
+        ],
+        launcher="python",
+    )
     assert res.returncode == 2, res
-    assert "was written with ema_decay 0.0, not 0.9: resume it with --ema_decay 0.0" in res.output, res
+    assert (
+        "was written with ema_decay 0.0, not 0.9: resume it with --ema_decay 0.0" in res.output
+    ), res
     assert "Traceback" not in res.output
 
 
 @pytest.mark.slow
-def test_early_stopping_stops_every_rank_its_patience_survives_a_resume_and_tensorboard_logs(tiny_mnist, tmp_path):
+def test_early_stopping_stops_every_rank_its_patience_survives_a_resume_and_tensorboard_logs(
+    tiny_mnist, tmp_path
+):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # A learning rate too small to change a prediction: the accuracy never improves after epoch 1.
     # 4 steps an epoch on 2 processes: max_steps 8 stops at the end of epoch 2, one evaluation into
     # a patience of 2. The resumed run must stop after epoch 3, not start counting again.
     flat = ["--lr", 1e-12, "--epochs", 6, "--early_stop_patience", 2]
-    train(tiny_mnist, tmp_path, *flat, "--max_steps", 8, "--log_with", "tensorboard", "--log_every", 2, nproc=2)
+    train(
+        tiny_mnist,
+        tmp_path,
+        *flat,
+        "--max_steps",
+        8,
+        "--log_with",
+        "tensorboard",
+        "--log_every",
+        2,
+        nproc=2,
+    )
     # TensorBoard: one writer (the main process), training scalars every 2 steps, and the evaluations.
     (events,) = (tmp_path / "mnist").glob("events.out.tfevents.*")
     acc = EventAccumulator(str(events))
     acc.Reload()
     scalars = acc.Tags()["scalars"]
-    assert {"train/loss", "train/lr", "train/samples_per_s", "eval/accuracy", "eval/eval_samples"} <= set(scalars)
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/samples_per_s",
+        "eval/accuracy",
+        "eval/eval_samples",
+    } <= set(scalars)
     assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6, 8]
-    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("eval/accuracy")] == \
-        [(r["step"], round(r["accuracy"], 6)) for r in read_metrics(tmp_path)]
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("eval/accuracy")] == [
+        (r["step"], round(r["accuracy"], 6)) for r in read_metrics(tmp_path)
+    ]
     assert [r["step"] for r in read_metrics(tmp_path)] == [4, 8]
 
     res = train(tiny_mnist, tmp_path, *flat, "--resume", "latest", nproc=2)
@@ -89,9 +139,32 @@ def test_early_stopping_stops_every_rank_its_patience_survives_a_resume_and_tens
 def test_the_unet_averages_its_batchnorm_and_stops_early(tmp_path):
     shapes = make_shapes(tmp_path / "shapes", 40, 48)
     out = tmp_path / "run"
-    res = launch(["recipes/unet.py", "--dataset", shapes, "--output_dir", out, "--base_channels", 4, "--num_workers", 0,
-                  "--val_fraction", 0.2, "--batch_size", 8, "--epochs", 5, "--lr", 1e-12, "--ema_decay", 0.5,
-                  "--early_stop_patience", 1], env={"OMP_NUM_THREADS": "1"})
+    res = launch(
+        [
+            "recipes/unet.py",
+            "--dataset",
+            shapes,
+            "--output_dir",
+            out,
+            "--base_channels",
+            4,
+            "--num_workers",
+            0,
+            "--val_fraction",
+            0.2,
+            "--batch_size",
+            8,
+            "--epochs",
+            5,
+            "--lr",
+            1e-12,
+            "--ema_decay",
+            0.5,
+            "--early_stop_patience",
+            1,
+        ],
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert_ok(res)
     assert "stopped early: no better ema_dice in 1 evaluations" in res.output
     assert [r["epoch"] for r in read_metrics(out)] == [1, 2]
@@ -101,14 +174,19 @@ def test_the_unet_averages_its_batchnorm_and_stops_early(tmp_path):
     # BatchNorm's running statistics are averaged too (the weights barely move at this lr).
     mean = next(k for k in averaged if k.endswith("running_mean"))
     assert averaged[mean].abs().sum() > 0 and not torch.equal(averaged[mean], model[mean])
-    assert torch.equal(averaged[mean.replace("running_mean", "num_batches_tracked")],
-                       model[mean.replace("running_mean", "num_batches_tracked")])
+    assert torch.equal(
+        averaged[mean.replace("running_mean", "num_batches_tracked")],
+        model[mean.replace("running_mean", "num_batches_tracked")],
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--ema_decay", "1"], "ema_decay must be in [0, 1), such as 0.999, got 1.0"),
-    (["--early_stop_patience", "-1"], "early_stop_patience must be at least 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ema_decay", "1"], "ema_decay must be in [0, 1), such as 0.999, got 1.0"),
+        (["--early_stop_patience", "-1"], "early_stop_patience must be at least 0, got -1"),
+    ],
+)
 def test_bad_values_are_rejected(argv, message):
     mnist = load_recipe("mnist")
     with pytest.raises(ConfigError) as e:

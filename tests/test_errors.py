@@ -7,18 +7,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import _write_split, assert_ok, launch
+from recipe_module import load_recipe
 
 from common.config import parse_config
 from common.data import DataError
-from conftest import _write_split, assert_ok, launch
-from recipe_module import load_recipe
 
 RECIPE = "recipes/mnist.py"
 
 
 def snapshot(folder):
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(folder).rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -31,21 +34,27 @@ def bad_datasets(tiny_mnist, tmp_path_factory):
     (root / "no_test").mkdir()
     _write_split(root / "no_test" / "train.parquet", digits, [1, 2, 3, 4])
     (root / "rgb").mkdir()
-    rgb = datasets.Dataset.from_dict({"image": [np.zeros((28, 28, 3), np.uint8)] * 4, "label": [1, 2, 3, 4]},
-                                      features=datasets.Features({"image": datasets.Image(),
-                                                                  "label": datasets.Value("int64")}))
+    rgb = datasets.Dataset.from_dict(
+        {"image": [np.zeros((28, 28, 3), np.uint8)] * 4, "label": [1, 2, 3, 4]},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}),
+    )
     for split in ("train", "test"):
         rgb.to_parquet(str(root / "rgb" / f"{split}.parquet"))
     (root / "bad_label").mkdir()
     for split in ("train", "test"):
         _write_split(root / "bad_label" / f"{split}.parquet", digits, [1, 2, 3, 4])
-    ds = datasets.load_dataset(str(root / "bad_label"))["train"].cast_column("label", datasets.Value("int64"))
+    ds = datasets.load_dataset(str(root / "bad_label"))["train"].cast_column(
+        "label", datasets.Value("int64")
+    )
     ds.map(lambda r: {"label": 12}).to_parquet(str(root / "bad_label" / "train.parquet"))
     (root / "text_label").mkdir()
     for split in ("train", "test"):
-        ds.map(lambda r: {"label": str(r["label"])}, features=datasets.Features(
-            {"image": datasets.Image(), "label": datasets.Value("string")})).to_parquet(
-            str(root / "text_label" / f"{split}.parquet"))
+        ds.map(
+            lambda r: {"label": str(r["label"])},
+            features=datasets.Features(
+                {"image": datasets.Image(), "label": datasets.Value("string")}
+            ),
+        ).to_parquet(str(root / "text_label" / f"{split}.parquet"))
     (root / "empty").mkdir()
     for split in ("train", "test"):
         _write_split(root / "empty" / f"{split}.parquet", digits[:0], [])
@@ -58,14 +67,32 @@ CASES = {
     "empty split": (["--dataset", "{bad}/empty"], "has an empty split"),
     "channels": (["--dataset", "{bad}/rgb"], "BasicNet takes 28x28 greyscale"),
     "label range": (["--dataset", "{bad}/bad_label"], "has label 12; labels must be 0..9"),
-    "label type": (["--dataset", "{bad}/text_label"], "column 'label' holds Value('string'), not class indices"),
-    "smaller than a batch per process": (["--batch_size", "1000"], "fewer than one batch for each process (1000 x 1 processes)"),
-    "resume path": (["--resume", "/no/such/checkpoint"], "resume checkpoint /no/such/checkpoint not found"),
-    "mid-epoch resume": (["--batch_size", "16"], "was written mid-epoch with batch_size 32, not 16: resume it with"),
+    "label type": (
+        ["--dataset", "{bad}/text_label"],
+        "column 'label' holds Value('string'), not class indices",
+    ),
+    "smaller than a batch per process": (
+        ["--batch_size", "1000"],
+        "fewer than one batch for each process (1000 x 1 processes)",
+    ),
+    "resume path": (
+        ["--resume", "/no/such/checkpoint"],
+        "resume checkpoint /no/such/checkpoint not found",
+    ),
+    "mid-epoch resume": (
+        ["--batch_size", "16"],
+        "was written mid-epoch with batch_size 32, not 16: resume it with",
+    ),
 }
 
 
-IN_PROCESS = ["missing column", "empty split", "channels", "label range", "label type"]  # data, as "missing split"
+IN_PROCESS = [
+    "missing column",
+    "empty split",
+    "channels",
+    "label range",
+    "label type",
+]  # data, as "missing split"
 
 
 def case_args(case, tiny_mnist, bad_datasets):
@@ -86,13 +113,17 @@ def test_bad_data_is_named_with_its_fix(case, tiny_mnist, bad_datasets):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", [case for case in CASES if case not in IN_PROCESS])
-def test_bad_input_is_one_line_and_the_checkpoints_survive(case, mnist_checkpoint, tiny_mnist, bad_datasets):
+def test_bad_input_is_one_line_and_the_checkpoints_survive(
+    case, mnist_checkpoint, tiny_mnist, bad_datasets
+):
     args, message = case_args(case, tiny_mnist, bad_datasets)
     if "--resume" not in args:
         args += ["--resume", "latest"]
     before = snapshot(mnist_checkpoint / "checkpoints")
     start = time.monotonic()
-    res = launch([RECIPE, "--output_dir", mnist_checkpoint, "--batch_size", 32, *args], launcher="python")
+    res = launch(
+        [RECIPE, "--output_dir", mnist_checkpoint, "--batch_size", 32, *args], launcher="python"
+    )
     errors = [line for line in res.output.splitlines() if "error: " in line]
     assert res.returncode == 2 and len(errors) == 1 and message in errors[0], res
     assert "Traceback" not in res.output
@@ -102,17 +133,46 @@ def test_bad_input_is_one_line_and_the_checkpoints_survive(case, mnist_checkpoin
 
 
 @pytest.mark.slow
-def test_eval_only_reads_a_mid_epoch_checkpoint_whatever_the_batch_size(mnist_checkpoint, tiny_mnist):
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", mnist_checkpoint, "--eval_only",
-                  "--resume", "latest", "--batch_size", 16], launcher="python")
+def test_eval_only_reads_a_mid_epoch_checkpoint_whatever_the_batch_size(
+    mnist_checkpoint, tiny_mnist
+):
+    res = launch(
+        [
+            RECIPE,
+            "--dataset",
+            tiny_mnist,
+            "--output_dir",
+            mnist_checkpoint,
+            "--eval_only",
+            "--resume",
+            "latest",
+            "--batch_size",
+            16,
+        ],
+        launcher="python",
+    )
     assert_ok(res)
     assert "test accuracy" in res.output
 
 
 @pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_mnist, tmp_path):
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--batch_size", 32, "--lr", "1e30",
-                  "--checkpoint_every_steps", 1], launcher="python")
+    res = launch(
+        [
+            RECIPE,
+            "--dataset",
+            tiny_mnist,
+            "--output_dir",
+            tmp_path,
+            "--batch_size",
+            32,
+            "--lr",
+            "1e30",
+            "--checkpoint_every_steps",
+            1,
+        ],
+        launcher="python",
+    )
     errors = [line for line in res.output.splitlines() if "error: " in line]
     assert res.returncode == 2 and len(errors) == 1, res
     assert "the loss became nan or inf at step 2; the last good checkpoint is" in errors[0]
@@ -123,13 +183,21 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_mnist, tm
 @pytest.mark.slow
 def test_output_dir_that_cannot_be_written(tiny_mnist, tmp_path):
     (tmp_path / "a_file").write_text("")
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path / "a_file" / "run"], launcher="python")
-    assert res.returncode == 2 and "is not writable (Not a directory)" in res.output.strip().splitlines()[-1], res
+    res = launch(
+        [RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path / "a_file" / "run"],
+        launcher="python",
+    )
+    assert (
+        res.returncode == 2
+        and "is not writable (Not a directory)" in res.output.strip().splitlines()[-1]
+    ), res
 
 
 @pytest.mark.slow
 def test_debug_shows_the_traceback(tiny_mnist, tmp_path):
-    res = launch([RECIPE, "--dataset", "./nowhere", "--output_dir", tmp_path, "--debug"], launcher="python")
+    res = launch(
+        [RECIPE, "--dataset", "./nowhere", "--output_dir", tmp_path, "--debug"], launcher="python"
+    )
     assert res.returncode != 0 and "Traceback" in res.output and "DataError" in res.output
 
 
@@ -149,8 +217,9 @@ def test_a_failing_rank_brings_the_job_down_quickly(mode):
     # ranks have met in the process group's rendezvous before the first collective, and the
     # timeout covers that rendezvous too, so "raise", which never waits for it, keeps 10 s).
     start = time.monotonic()
-    res = launch(["tests/rank_failure_probe.py", mode, 4 if mode == "hang" else 10], nproc=2,
-                 timeout=120)
+    res = launch(
+        ["tests/rank_failure_probe.py", mode, 4 if mode == "hang" else 10], nproc=2, timeout=120
+    )
     assert res.returncode != 0
     if mode == "raise":
         assert "rank 1 failed at step 3 (planted by the test)" in res.output, res
@@ -159,17 +228,25 @@ def test_a_failing_rank_brings_the_job_down_quickly(mode):
     assert time.monotonic() - start < 90
 
 
-def test_a_launch_accelerate_would_run_as_independent_trainings_stops_with_one_line(tiny_mnist, tmp_path):
+def test_a_launch_accelerate_would_run_as_independent_trainings_stops_with_one_line(
+    tiny_mnist, tmp_path
+):
     # FSDP needs GPUs: on a machine with none, 2 processes would each train alone (README: No
     # silent independent runs).
     config = tmp_path / "fsdp.yaml"
-    config.write_text("distributed_type: FSDP\nnum_machines: 1\nnum_processes: 2\nmixed_precision: 'no'\n")
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path / "out", "--smoke"], nproc=2,
-                 config=config)
+    config.write_text(
+        "distributed_type: FSDP\nnum_machines: 1\nnum_processes: 2\nmixed_precision: 'no'\n"
+    )
+    res = launch(
+        [RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path / "out", "--smoke"],
+        nproc=2,
+        config=config,
+    )
     errors = [line for line in res.output.splitlines() if line.startswith("error")]
     assert res.returncode != 0 and errors == [
         "error: distributed_type FSDP needs GPUs, and this machine has none: for several CPU processes use "
-        "accelerate_configs/2gpu.yaml (DDP over gloo)"], res
+        "accelerate_configs/2gpu.yaml (DDP over gloo)"
+    ], res
     assert not (tmp_path / "out").exists()
 
 
@@ -189,7 +266,10 @@ def test_an_output_dir_that_cannot_be_created_is_one_line_not_ignored(tmp_path, 
 
     monkeypatch.setattr(Path, "mkdir", full_once)
     cfg = SimpleNamespace(output_dir=str(tmp_path / "run"), resume=None, eval_only=False)
-    with pytest.raises(UserError, match=r"^output_dir .*run is not writable \(No space left on device\): "
-                                        r"choose another --output_dir$"):
+    with pytest.raises(
+        UserError,
+        match=r"^output_dir .*run is not writable \(No space left on device\): "
+        r"choose another --output_dir$",
+    ):
         runtime.open_run(SimpleNamespace(is_main_process=True), cfg)
     assert not (tmp_path / "run").exists()

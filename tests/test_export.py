@@ -12,21 +12,24 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from conftest import REPO, assert_ok, launch, make_shapes
 from PIL import Image
+from recipe_module import load_recipe
 from safetensors import safe_open
+from unet_predict import SegmentationWeights, load_model, sample_images
 
 from common.checkpoint import load_weights
 from common.config import ConfigError, UserError, parse_config
 from common.export import OnnxModel, check_onnx, write_onnx
-from conftest import REPO, assert_ok, launch, make_shapes
-from recipe_module import load_recipe
-from unet_predict import SegmentationWeights, load_model, sample_images
 
 MNIST, UNET = "recipes/mnist.py", "recipes/unet.py"
 UNET_DATA = ["--val_fraction", 0.2, "--num_workers", 0]  # 20 images: 16 train, 4 validation
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # on 2 cores a second thread slows these tiny models down
-WROTE = re.compile(r"wrote (\S+): onnxruntime's logits are within (\S+) of PyTorch's \(max abs, "
-                   r"fp32\) on inputs of ([^(\n]+?)(?: \((.*)\))?$", re.M)
+WROTE = re.compile(
+    r"wrote (\S+): onnxruntime's logits are within (\S+) of PyTorch's \(max abs, "
+    r"fp32\) on inputs of ([^(\n]+?)(?: \((.*)\))?$",
+    re.M,
+)
 
 
 def checked(res):
@@ -39,8 +42,10 @@ def checked(res):
 def graph_axes(path):
     """The input's and the output's axes: a name where any size goes, else the size."""
     graph = onnx.load(path).graph
-    return [[d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
-            for v in (graph.input[0], graph.output[0])]
+    return [
+        [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        for v in (graph.input[0], graph.output[0])
+    ]
 
 
 def metadata(path):
@@ -77,9 +82,28 @@ def unet_weights(tmp_path_factory):
     """A U-Net of base_channels 4 trained for 4 epochs: enough that it predicts shapes."""
     data = make_shapes(tmp_path_factory.mktemp("shapes"), 20, 48)
     out = tmp_path_factory.mktemp("unet")
-    assert_ok(launch([UNET, "--dataset", data, "--output_dir", out, "--epochs", 4, "--lr", 1e-2,
-                      "--batch_size", 4, "--base_channels", 4, *UNET_DATA], launcher="python",
-                     env=ONE_THREAD))
+    assert_ok(
+        launch(
+            [
+                UNET,
+                "--dataset",
+                data,
+                "--output_dir",
+                out,
+                "--epochs",
+                4,
+                "--lr",
+                1e-2,
+                "--batch_size",
+                4,
+                "--base_channels",
+                4,
+                *UNET_DATA,
+            ],
+            launcher="python",
+            env=ONE_THREAD,
+        )
+    )
     return data, out / "model.safetensors"
 
 
@@ -87,15 +111,21 @@ def unet_weights(tmp_path_factory):
 def unet_onnx(unet_weights):
     """`--export onnx` of the U-Net: (its output, the .onnx file)."""
     data, weights = unet_weights
-    res = launch([UNET, "--dataset", data, "--export", "onnx", "--weights", weights, *UNET_DATA],
-                 launcher="python", env=ONE_THREAD)
+    res = launch(
+        [UNET, "--dataset", data, "--export", "onnx", "--weights", weights, *UNET_DATA],
+        launcher="python",
+        env=ONE_THREAD,
+    )
     return res, weights.with_suffix(".onnx")
 
 
 @pytest.mark.slow
 def test_mnist_export_writes_a_checked_onnx_file_for_any_batch(mnist_weights, tiny_mnist):
-    res = launch([MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights],
-                 launcher="python", env=ONE_THREAD)
+    res = launch(
+        [MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights],
+        launcher="python",
+        env=ONE_THREAD,
+    )
     path, worst, shapes = checked(res)
     onnx_file = mnist_weights.with_suffix(".onnx")
     assert path == str(onnx_file) and worst <= 1e-4, res
@@ -116,12 +146,18 @@ def test_unet_export_takes_any_batch_and_image_size(unet_onnx, unet_weights):
     assert path == str(onnx_file) and worst <= 1e-4, res
     # Validation images at the training size, and one at another height and width.
     assert shapes == ["4x3x48x48", "1x3x64x80"], res
-    assert graph_axes(onnx_file) == [["batch", 3, "height", "width"],
-                                     ["batch", 4, "height", "width"]]
+    assert graph_axes(onnx_file) == [
+        ["batch", 3, "height", "width"],
+        ["batch", 4, "height", "width"],
+    ]
     stored = metadata(onnx_file)
     assert stored == metadata(unet_weights[1]) and stored["recipe"] == "unet"
-    assert json.loads(stored["segmentation"])["model"] == {"in_channels": 3, "num_classes": 4,
-                                                           "base_channels": 4, "bilinear": False}
+    assert json.loads(stored["segmentation"])["model"] == {
+        "in_channels": 3,
+        "num_classes": 4,
+        "base_channels": 4,
+        "bilinear": False,
+    }
     x = torch.rand(2, 3, 40, 56)  # a size that neither the export nor its check used
     with torch.no_grad():
         difference = OnnxModel(onnx_file)(x) - torch_model("unet", unet_weights[1])(x)
@@ -132,9 +168,21 @@ def test_unet_export_takes_any_batch_and_image_size(unet_onnx, unet_weights):
 def test_unet_predict_from_onnx_writes_the_same_masks(unet_onnx, unet_weights, tmp_path):
     data, weights = unet_weights
     for source in (weights, unet_onnx[1]):
-        assert_ok(launch([UNET, "--predict", f"{data}/imgs/*.png", "--weights", source,
-                          "--predict_dir", tmp_path / source.suffix], launcher="python",
-                         env=ONE_THREAD))
+        assert_ok(
+            launch(
+                [
+                    UNET,
+                    "--predict",
+                    f"{data}/imgs/*.png",
+                    "--weights",
+                    source,
+                    "--predict_dir",
+                    tmp_path / source.suffix,
+                ],
+                launcher="python",
+                env=ONE_THREAD,
+            )
+        )
     masks = sorted((tmp_path / ".safetensors").iterdir())
     assert len(masks) == 20
     for mask in masks:  # identical files, not merely close
@@ -155,9 +203,13 @@ def test_unet_export_without_data_checks_random_inputs_of_the_stored_size(unet_w
     stored.input_size = None
     save_file(load_file(unet_weights[1]), native, stored.metadata(recipe="unet"))
     # Run where no data/shapes is, as a user who copied only the weights.
-    res = subprocess.run([sys.executable, REPO / UNET, "--export", "onnx", "--weights", native],
-                         cwd=tmp_path, capture_output=True, text=True,
-                         env={**os.environ, "ACCELERATE_USE_CPU": "1", **ONE_THREAD})
+    res = subprocess.run(
+        [sys.executable, REPO / UNET, "--export", "onnx", "--weights", native],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ACCELERATE_USE_CPU": "1", **ONE_THREAD},
+    )
     output = res.stdout + res.stderr
     assert res.returncode == 0 and WROTE.search(output), output
     path, worst, shapes, what = WROTE.search(output).groups()
@@ -170,29 +222,45 @@ def hide(tmp_path, package):
     """PYTHONPATH for a subprocess in which `package` cannot be imported, as if not installed."""
     (tmp_path / package).mkdir()
     (tmp_path / package / "__init__.py").write_text(
-        f"raise ModuleNotFoundError(\"No module named '{package}'\", name='{package}')\n")
+        f"raise ModuleNotFoundError(\"No module named '{package}'\", name='{package}')\n"
+    )
     return {"PYTHONPATH": str(tmp_path)}
 
 
 @pytest.mark.slow
 def test_a_missing_exporter_package_is_one_line(mnist_weights, tiny_mnist, tmp_path):
-    res = launch([MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights],
-                 launcher="python", env=hide(tmp_path, "onnxscript"))
+    res = launch(
+        [MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights],
+        launcher="python",
+        env=hide(tmp_path, "onnxscript"),
+    )
     assert res.returncode == 2 and "Traceback" not in res.output, res
     assert res.output.strip().splitlines()[-1] == (
-        "error: export onnx needs the onnxscript package: pip install -r requirements-extras.txt")
+        "error: export onnx needs the onnxscript package: pip install -r requirements-extras.txt"
+    )
 
 
 @pytest.mark.slow
 def test_a_missing_onnxruntime_for_predict_is_one_line(unet_onnx, unet_weights, tmp_path):
     onnx_file = unet_onnx[1]
-    res = launch([UNET, "--predict", f"{unet_weights[0]}/imgs/*.png", "--weights", onnx_file,
-                  "--predict_dir", tmp_path / "masks"], launcher="python",
-                 env=hide(tmp_path, "onnxruntime"))
+    res = launch(
+        [
+            UNET,
+            "--predict",
+            f"{unet_weights[0]}/imgs/*.png",
+            "--weights",
+            onnx_file,
+            "--predict_dir",
+            tmp_path / "masks",
+        ],
+        launcher="python",
+        env=hide(tmp_path, "onnxruntime"),
+    )
     assert res.returncode == 2 and "Traceback" not in res.output, res
     assert res.output.strip().splitlines() == [
         f"error: running {onnx_file} needs the onnxruntime package: "
-        f"pip install -r requirements-extras.txt"]
+        f"pip install -r requirements-extras.txt"
+    ]
 
 
 @pytest.mark.slow
@@ -200,18 +268,25 @@ def test_export_without_weights_is_one_line(tmp_path):
     res = launch([MNIST, "--export", "onnx"], launcher="python")
     assert res.returncode == 2
     assert res.output.strip().splitlines() == [
-        "error: export needs weights: add --weights PATH/model.safetensors"]
+        "error: export needs weights: add --weights PATH/model.safetensors"
+    ]
 
 
 def test_bad_export_settings_are_rejected():
     mnist, unet = load_recipe("mnist"), load_recipe("unet")
     for config, args, message in [
         (mnist, ["--export", "tflite", "--weights", "m.safetensors"], "export must be onnx"),
-        (mnist, ["--export", "onnx", "--weights", "m.safetensors", "--eval_only"],
-         "choose one of export and eval_only"),
+        (
+            mnist,
+            ["--export", "onnx", "--weights", "m.safetensors", "--eval_only"],
+            "choose one of export and eval_only",
+        ),
         (mnist, ["--export", "onnx", "--weights", "m.onnx"], "pass the .safetensors"),
-        (unet, ["--export", "onnx", "--weights", "m.safetensors", "--predict", "x.png"],
-         "choose one of predict and export"),
+        (
+            unet,
+            ["--export", "onnx", "--weights", "m.safetensors", "--predict", "x.png"],
+            "choose one of predict and export",
+        ),
         (unet, ["--weights", "m.onnx"], "an .onnx file only predicts"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
@@ -220,11 +295,13 @@ def test_bad_export_settings_are_rejected():
 
 @pytest.mark.slow
 def test_export_runs_on_one_process(mnist_weights, tiny_mnist):
-    res = launch([MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights],
-                 nproc=2)
+    res = launch(
+        [MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights], nproc=2
+    )
     errors = [line for line in res.output.splitlines() if line.startswith("error:")]
     assert res.returncode != 0 and errors == [
-        "error: export runs on one process: start it with python, not a multi-process launch"], res
+        "error: export runs on one process: start it with python, not a multi-process launch"
+    ], res
 
 
 @pytest.mark.slow
@@ -235,8 +312,11 @@ def test_an_export_that_differs_from_torch_is_one_line(tmp_path):
     assert check_onnx(conv, tmp_path / "conv.onnx", [x, x[:1]]) <= 1e-4
     with torch.no_grad():
         conv.bias += 1e-3  # the file no longer matches the model
-    with pytest.raises(UserError, match=r"gives logits up to 1\.00e-03 away from PyTorch's on "
-                                        r"inputs of 2x3x8x8 and 1x3x8x8 \(tolerance 0\.0001\)"):
+    with pytest.raises(
+        UserError,
+        match=r"gives logits up to 1\.00e-03 away from PyTorch's on "
+        r"inputs of 2x3x8x8 and 1x3x8x8 \(tolerance 0\.0001\)",
+    ):
         check_onnx(conv, tmp_path / "conv.onnx", [x, x[:1]])
 
 
@@ -245,8 +325,10 @@ def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights, tmp_pa
     data, _ = unet_weights
     unet = load_recipe("unet")
     cfg = parse_config(unet.Config, ["--dataset", str(data), *map(str, UNET_DATA)])
-    for input_size, first, second in [([32, 40], (4, 3, 32, 40), (1, 3, 48, 72)),
-                                      (None, (4, 3, 48, 48), (1, 3, 64, 80))]:  # None: own size
+    for input_size, first, second in [
+        ([32, 40], (4, 3, 32, 40), (1, 3, 48, 72)),
+        (None, (4, 3, 48, 48), (1, 3, 64, 80)),
+    ]:  # None: own size
         weights = SegmentationWeights({}, [0, 85, 170, 255], input_size)
         images, what = sample_images(cfg, weights)
         x, y = (unet.prepare_input(t, cfg) for t in images)

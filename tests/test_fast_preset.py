@@ -3,7 +3,6 @@ random shift drawn on the device. A stopped and resumed run ends with the same w
 that ran through, as with the defaults (tests/test_resume.py)."""
 
 import pytest
-
 from conftest import launch, stopped_at
 from test_resume import COMMON, RECIPE, assert_identical, train, weights
 
@@ -13,17 +12,44 @@ FAST = ["--config", "recipes/configs/mnist_fast.yaml"]  # COMMON then sets epoch
 @pytest.mark.slow
 def test_the_fast_preset_resumes_mid_epoch_bit_exactly(tiny_mnist, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    res = train(tiny_mnist, straight, *FAST, "--max_steps", 13, "--checkpoint_every_steps", 5,
-                "--keep_checkpoints", 5)  # 8 steps an epoch, a 16-step cycle
+    res = train(
+        tiny_mnist,
+        straight,
+        *FAST,
+        "--max_steps",
+        13,
+        "--checkpoint_every_steps",
+        5,
+        "--keep_checkpoints",
+        5,
+    )  # 8 steps an epoch, a 16-step cycle
     assert "lr 0.004" in res.output
     stopped_at(straight, 5, split)  # mid-epoch 1
     res = train(tiny_mnist, split, *FAST, "--max_steps", 13, "--resume", "latest")
     assert "(epoch 1, step 5)" in res.output
     assert_identical(weights(straight), weights(split))
     # Another length of the cycle cannot continue it: one line, the fix included.
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", split, *COMMON, *FAST, "--epochs", 3,
-                  "--resume", "latest"], launcher="python")
+    res = launch(
+        [
+            RECIPE,
+            "--dataset",
+            tiny_mnist,
+            "--output_dir",
+            split,
+            *COMMON,
+            *FAST,
+            "--epochs",
+            3,
+            "--resume",
+            "latest",
+        ],
+        launcher="python",
+    )
     last = res.output.strip().splitlines()[-1]
     assert res.returncode == 2 and "Traceback" not in res.output, res
-    assert last.startswith("error: ") and "has a onecycle schedule of 16 steps, this run plans a onecycle " \
-                                          "schedule of 24 steps: resume with the scheduler, epochs" in last, res
+    assert (
+        last.startswith("error: ")
+        and "has a onecycle schedule of 16 steps, this run plans a onecycle "
+        "schedule of 24 steps: resume with the scheduler, epochs"
+        in last
+    ), res

@@ -15,14 +15,37 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import BIN, REPO, assert_ok, free_port, launch, make_shapes, read_metrics
 from safetensors.torch import load_file
 
-from conftest import make_shapes, BIN, REPO, assert_ok, free_port, launch, read_metrics
-
-UNET_ARGS = ["--base_channels", 8, "--lr", 3e-3, "--val_fraction", 0.2, "--eval_batch_size", 4,
-             "--batch_size", 8, "--num_workers", 2, "--epochs", 40]
-MNIST_ARGS = ["--batch_size", 32, "--eval_batch_size", 512, "--num_workers", 2, "--data_on_device", "false",
-              "--epochs", 200]
+UNET_ARGS = [
+    "--base_channels",
+    8,
+    "--lr",
+    3e-3,
+    "--val_fraction",
+    0.2,
+    "--eval_batch_size",
+    4,
+    "--batch_size",
+    8,
+    "--num_workers",
+    2,
+    "--epochs",
+    40,
+]
+MNIST_ARGS = [
+    "--batch_size",
+    32,
+    "--eval_batch_size",
+    512,
+    "--num_workers",
+    2,
+    "--data_on_device",
+    "false",
+    "--epochs",
+    200,
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +58,17 @@ def command(launcher, nproc, args):
         return [sys.executable, *args]
     if launcher == "accelerate":
         config = "cpu.yaml" if nproc == 1 else "2gpu.yaml"
-        return [BIN / "accelerate", "launch", "--config_file", REPO / "accelerate_configs" / config,
-                "--num_processes", nproc, "--main_process_port", free_port(), *args]
+        return [
+            BIN / "accelerate",
+            "launch",
+            "--config_file",
+            REPO / "accelerate_configs" / config,
+            "--num_processes",
+            nproc,
+            "--main_process_port",
+            free_port(),
+            *args,
+        ]
     return [BIN / "torchrun", "--nproc_per_node", nproc, "--master_port", free_port(), *args]
 
 
@@ -48,9 +80,16 @@ def interrupt(cmd, out_dir, sig, to_group, env=None, in_first_epoch=False):
     """Start cmd, wait until its first epoch is evaluated (the DataLoader workers are running),
     or with in_first_epoch until 2 s after its start-up line, then send `sig` to its process
     group (a terminal's Ctrl-C) or to the launcher alone, and return (exit status, output)."""
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, preexec_fn=_default_sigint,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})})
+    proc = subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
+    )
     try:
         deadline, head = time.time() + 240, ""
         while in_first_epoch and "process(es) on" not in head:
@@ -75,12 +114,18 @@ def interrupt(cmd, out_dir, sig, to_group, env=None, in_first_epoch=False):
 
 def stopped_step(out, out_dir, nproc):
     """The step the run stopped at, after checking that it said so and checkpointed on every rank."""
-    assert "stopped at step" in out and "exited unexpectedly" not in out and "killed by signal" not in out, out[-3000:]
+    assert (
+        "stopped at step" in out
+        and "exited unexpectedly" not in out
+        and "killed by signal" not in out
+    ), out[-3000:]
     assert "terminate called" not in out, out[-3000:]
     step = int(out.split("stopped at step ")[1].split(";")[0])
     checkpoint = Path(out_dir) / "checkpoints" / f"step-{step:08d}"
     for rank in range(nproc):
-        assert (checkpoint / f"random_states_{rank}.pkl").is_file(), sorted(Path(out_dir).rglob("*"))
+        assert (checkpoint / f"random_states_{rank}.pkl").is_file(), sorted(
+            Path(out_dir).rglob("*")
+        )
     return step
 
 
@@ -91,30 +136,47 @@ def assert_same_weights(a, b):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher, nproc", [("python", 1), ("accelerate", 2)])
-def test_ctrl_c_with_dataloader_workers_checkpoints_and_resumes_bit_exactly(shapes, tmp_path, launcher, nproc):
+def test_ctrl_c_with_dataloader_workers_checkpoints_and_resumes_bit_exactly(
+    shapes, tmp_path, launcher, nproc
+):
     args = ["recipes/unet.py", "--dataset", shapes, *UNET_ARGS]
     split, straight = tmp_path / "split", tmp_path / "straight"
-    code, out = interrupt(command(launcher, nproc, [*args, "--output_dir", split]), split, signal.SIGINT, True)
+    code, out = interrupt(
+        command(launcher, nproc, [*args, "--output_dir", split]), split, signal.SIGINT, True
+    )
     step = stopped_step(out, split, nproc)
     # python exits 130 (128 + SIGINT); a launcher reports its own status after the recipe's line.
     assert code == (130 if launcher == "python" else 1), out[-3000:]
     env = {"OMP_NUM_THREADS": "1"}
-    res = launch([*args, "--output_dir", split, "--resume", "latest", "--max_steps", step + 5], nproc=nproc, env=env)
+    res = launch(
+        [*args, "--output_dir", split, "--resume", "latest", "--max_steps", step + 5],
+        nproc=nproc,
+        env=env,
+    )
     assert_ok(res)
     assert f"step {step})" in res.output
-    assert_ok(launch([*args, "--output_dir", straight, "--max_steps", step + 5], nproc=nproc, env=env))
+    assert_ok(
+        launch([*args, "--output_dir", straight, "--max_steps", step + 5], nproc=nproc, env=env)
+    )
     assert_same_weights(split, straight)
 
 
 @pytest.mark.slow
 def test_sigterm_to_torchrun_with_dataloader_workers_checkpoints_every_rank(tiny_mnist, tmp_path):
     args = ["recipes/mnist.py", "--dataset", tiny_mnist, *MNIST_ARGS]
-    code, out = interrupt(command("torchrun", 2, [*args, "--output_dir", tmp_path]), tmp_path, signal.SIGTERM,
-                          to_group=False)
+    code, out = interrupt(
+        command("torchrun", 2, [*args, "--output_dir", tmp_path]),
+        tmp_path,
+        signal.SIGTERM,
+        to_group=False,
+    )
     step = stopped_step(out, tmp_path, 2)
     assert code == 1
-    res = launch([*args, "--output_dir", tmp_path, "--resume", "latest", "--max_steps", step + 2], nproc=2,
-                 launcher="torchrun")
+    res = launch(
+        [*args, "--output_dir", tmp_path, "--resume", "latest", "--max_steps", step + 2],
+        nproc=2,
+        launcher="torchrun",
+    )
     assert_ok(res)
     assert f"step {step})" in res.output and read_metrics(tmp_path)[-1]["step"] == step + 2
 
@@ -123,9 +185,17 @@ def test_sigterm_to_torchrun_with_dataloader_workers_checkpoints_every_rank(tiny
 def test_ctrl_c_in_the_first_epoch_under_the_single_process_launcher_with_workers(tmp_path):
     # The shipped sample: 125 steps an epoch, so Ctrl-C lands in epoch 1, whose workers start
     # before the first step.
-    args = ["recipes/mnist.py", "--dataset", "data/mnist_sample", *MNIST_ARGS, "--output_dir", tmp_path]
-    code, out = interrupt(command("accelerate", 1, args), tmp_path, signal.SIGINT, to_group=True,
-                          in_first_epoch=True)
+    args = [
+        "recipes/mnist.py",
+        "--dataset",
+        "data/mnist_sample",
+        *MNIST_ARGS,
+        "--output_dir",
+        tmp_path,
+    ]
+    code, out = interrupt(
+        command("accelerate", 1, args), tmp_path, signal.SIGINT, to_group=True, in_first_epoch=True
+    )
     assert stopped_step(out, tmp_path, 1) < 125 and not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -134,7 +204,9 @@ def small_disk(tmp_path):
     """A 20 MB tmpfs: room for one MNIST checkpoint (about 14 MB), not two."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mount)], capture_output=True
+    )
     if made.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
     yield mount
@@ -142,31 +214,85 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_stops_every_rank_with_one_line_and_keeps_the_last_checkpoint(tiny_mnist, small_disk, tmp_path):
+def test_a_full_disk_stops_every_rank_with_one_line_and_keeps_the_last_checkpoint(
+    tiny_mnist, small_disk, tmp_path
+):
     out = small_disk / "run"
-    res = launch(["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", out, "--batch_size", 32,
-                  "--checkpoint_every_steps", 2, "--epochs", 1], nproc=2)
+    res = launch(
+        [
+            "recipes/mnist.py",
+            "--dataset",
+            tiny_mnist,
+            "--output_dir",
+            out,
+            "--batch_size",
+            32,
+            "--checkpoint_every_steps",
+            2,
+            "--epochs",
+            1,
+        ],
+        nproc=2,
+    )
     errors = [line for line in res.output.splitlines() if line.startswith("error")]
     assert res.returncode != 0 and len(errors) == 1, res
-    assert errors[0].startswith(f"error: cannot write {out / 'checkpoints' / 'step-00000004'} (No space left on device")
+    assert errors[0].startswith(
+        f"error: cannot write {out / 'checkpoints' / 'step-00000004'} (No space left on device"
+    )
     assert f"--resume latest goes on from {out / 'checkpoints' / 'step-00000002'}" in errors[0]
-    assert "Traceback" not in res.output.split("error: cannot write")[0], res  # later lines: the launcher's
+    assert "Traceback" not in res.output.split("error: cannot write")[0], (
+        res
+    )  # later lines: the launcher's
     # The earlier checkpoint is whole, nothing temporary is left, and the run resumes from it.
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]
     moved = tmp_path / "moved"
     subprocess.run(["cp", "-r", str(out), str(moved)], check=True)
-    res = launch(["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", moved, "--batch_size", 32,
-                  "--epochs", 1, "--resume", "latest"], nproc=2)
+    res = launch(
+        [
+            "recipes/mnist.py",
+            "--dataset",
+            tiny_mnist,
+            "--output_dir",
+            moved,
+            "--batch_size",
+            32,
+            "--epochs",
+            1,
+            "--resume",
+            "latest",
+        ],
+        nproc=2,
+    )
     assert_ok(res)
     assert "(epoch 1, step 2)" in res.output
 
 
 @pytest.mark.slow
 def test_a_second_run_into_the_same_folder_stops_at_once(tiny_mnist, tmp_path):
-    args = [sys.executable, "recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", tmp_path, "--batch_size", 32,
-            "--epochs", 200, "--num_workers", 2, "--data_on_device", "false"]
-    first = subprocess.Popen([str(a) for a in args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, start_new_session=True)
+    args = [
+        sys.executable,
+        "recipes/mnist.py",
+        "--dataset",
+        tiny_mnist,
+        "--output_dir",
+        tmp_path,
+        "--batch_size",
+        32,
+        "--epochs",
+        200,
+        "--num_workers",
+        2,
+        "--data_on_device",
+        "false",
+    ]
+    first = subprocess.Popen(
+        [str(a) for a in args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 120
         while not (tmp_path / "metrics.jsonl").exists():
@@ -175,8 +301,10 @@ def test_a_second_run_into_the_same_folder_stops_at_once(tiny_mnist, tmp_path):
         second = launch([*args[1:], "--resume", "latest"], launcher="python", timeout=60)
         lines = second.output.strip().splitlines()
         assert second.returncode == 2 and len(lines) == 1, second
-        assert lines[0].startswith(f"error: output_dir {tmp_path} is in use by a run that is still going (process "
-                                   f"{first.pid} on "), second
+        assert lines[0].startswith(
+            f"error: output_dir {tmp_path} is in use by a run that is still going (process "
+            f"{first.pid} on "
+        ), second
         # A crash of the training process alone: its DataLoader workers may live a moment longer,
         # and must not hold the lock.
         os.kill(first.pid, signal.SIGKILL)
@@ -188,25 +316,45 @@ def test_a_second_run_into_the_same_folder_stops_at_once(tiny_mnist, tmp_path):
         first.communicate()
     assert "in use by" not in third.output and third.returncode == 0, third
     epochs = [row["epoch"] for row in read_metrics(tmp_path) if row["epoch"] is not None]
-    assert epochs == list(range(1, len(epochs) + 1)), epochs  # one run's epochs, no second run's mixed in
+    assert epochs == list(range(1, len(epochs) + 1)), (
+        epochs
+    )  # one run's epochs, no second run's mixed in
 
 
 @pytest.mark.slow
 def test_resume_latest_into_a_folder_that_does_not_exist_is_an_error(tiny_mnist, tmp_path):
-    res = launch(["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", tmp_path / "typo", "--resume", "latest"],
-                 launcher="python")
+    res = launch(
+        [
+            "recipes/mnist.py",
+            "--dataset",
+            tiny_mnist,
+            "--output_dir",
+            tmp_path / "typo",
+            "--resume",
+            "latest",
+        ],
+        launcher="python",
+    )
     lines = res.output.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1, res
-    assert lines[0] == (f"error: resume latest: output_dir {tmp_path / 'typo'} does not exist: check --output_dir, "
-                        f"or leave out --resume to start a new run")
+    assert lines[0] == (
+        f"error: resume latest: output_dir {tmp_path / 'typo'} does not exist: check --output_dir, "
+        f"or leave out --resume to start a new run"
+    )
     assert not (tmp_path / "typo").exists()
 
 
 @pytest.mark.slow
 def test_a_run_that_fails_before_training_leaves_no_folder(tmp_path):
-    res = launch(["recipes/mnist.py", "--dataset", "./nowhere", "--output_dir", tmp_path / "new"], launcher="python")
+    res = launch(
+        ["recipes/mnist.py", "--dataset", "./nowhere", "--output_dir", tmp_path / "new"],
+        launcher="python",
+    )
     assert res.returncode == 2 and "dataset path ./nowhere does not exist" in res.output, res
     assert not (tmp_path / "new").exists()
     (tmp_path / "mine").mkdir()  # a folder the user made is theirs: it stays
-    res = launch(["recipes/mnist.py", "--dataset", "./nowhere", "--output_dir", tmp_path / "mine"], launcher="python")
+    res = launch(
+        ["recipes/mnist.py", "--dataset", "./nowhere", "--output_dir", tmp_path / "mine"],
+        launcher="python",
+    )
     assert res.returncode == 2 and (tmp_path / "mine").is_dir()

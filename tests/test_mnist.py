@@ -9,20 +9,41 @@ import uuid
 import pytest
 import torch
 import yaml
+from conftest import N_TEST, N_TRAIN, REPO, assert_ok, launch, read_metrics
 from safetensors.torch import load_file
 
-from conftest import N_TEST, N_TRAIN, REPO, assert_ok, launch, read_metrics
-
 RECIPE = "recipes/mnist.py"
-REQUIRED = {"epoch", "step", "world_size", "train_loss", "eval_samples", "accuracy", "train_samples_per_s"}
+REQUIRED = {
+    "epoch",
+    "step",
+    "world_size",
+    "train_loss",
+    "eval_samples",
+    "accuracy",
+    "train_samples_per_s",
+}
 
 
 @pytest.fixture(scope="module")
 def trained(tiny_mnist, tmp_path_factory):
     """One single-process `python recipes/mnist.py` run; later tests evaluate its weights."""
     out = tmp_path_factory.mktemp("mnist_1p")
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, "--epochs", 2,
-                  "--batch_size", 32, "--eval_batch_size", 64], launcher="python")
+    res = launch(
+        [
+            RECIPE,
+            "--dataset",
+            tiny_mnist,
+            "--output_dir",
+            out,
+            "--epochs",
+            2,
+            "--batch_size",
+            32,
+            "--eval_batch_size",
+            64,
+        ],
+        launcher="python",
+    )
     assert_ok(res)
     return out, res
 
@@ -46,8 +67,25 @@ def test_two_process_ddp_exact_eval_count_and_a_clean_exit_with_workers(tiny_mni
     # 1001 test samples over 2 processes x batch 64: the last batch is padded with duplicates,
     # and every one of them must be dropped from the count. With 2 persistent DataLoader workers
     # per process, both processes must still exit cleanly (assert_ok: no abort at shutdown).
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--smoke",
-                  "--batch_size", 16, "--eval_batch_size", 64, "--scale_lr", "--num_workers", 2], nproc=2, timeout=180)
+    res = launch(
+        [
+            RECIPE,
+            "--dataset",
+            tiny_mnist,
+            "--output_dir",
+            tmp_path,
+            "--smoke",
+            "--batch_size",
+            16,
+            "--eval_batch_size",
+            64,
+            "--scale_lr",
+            "--num_workers",
+            2,
+        ],
+        nproc=2,
+        timeout=180,
+    )
     assert_ok(res)
     assert "2 process(es) on cpu, gloo" in res.output
     (row,) = read_metrics(tmp_path)
@@ -60,8 +98,9 @@ def test_run_keeps_what_the_imports_and_main_made_out_of_every_collection():
     # close() and run() collect the garbage to drop the DDP model before the process group goes.
     # With the ~400,000 objects of torch's imports in sight, that took over 0.5 s of every exit.
     # What main made is out of sight of the interpreter's last collections: 0.4 s more.
-    from common.runtime import run
     from recipe_module import load_recipe
+
+    from common.runtime import run
 
     seen, made = {}, []
 
@@ -85,9 +124,22 @@ def test_eval_is_identical_on_one_and_two_processes(trained, tiny_mnist, tmp_pat
     results = {}
     for nproc in (1, 2):
         out = tmp_path / f"eval{nproc}"
-        res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out,
-                      "--eval_only", "--weights", weights, "--eval_batch_size", 64], nproc=nproc,
-                     launcher="accelerate")  # accelerate launch with 1 process, and with 2
+        res = launch(
+            [
+                RECIPE,
+                "--dataset",
+                tiny_mnist,
+                "--output_dir",
+                out,
+                "--eval_only",
+                "--weights",
+                weights,
+                "--eval_batch_size",
+                64,
+            ],
+            nproc=nproc,
+            launcher="accelerate",
+        )  # accelerate launch with 1 process, and with 2
         assert_ok(res)
         (results[nproc],) = read_metrics(out)
     assert results[1]["eval_samples"] == results[2]["eval_samples"] == N_TEST
@@ -101,9 +153,24 @@ def test_eval_only_into_the_training_folder_adds_a_line_and_keeps_its_config(tra
     out = trained[0]
     config, rows = (out / "config.yaml").read_text(), len(read_metrics(out))
     weights = out / "model.safetensors"
-    assert_ok(launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, "--eval_only", "--weights", weights],
-                     launcher="python"))
-    assert (out / "config.yaml").read_text() == config  # --config out/config.yaml still repeats the training run
+    assert_ok(
+        launch(
+            [
+                RECIPE,
+                "--dataset",
+                tiny_mnist,
+                "--output_dir",
+                out,
+                "--eval_only",
+                "--weights",
+                weights,
+            ],
+            launcher="python",
+        )
+    )
+    assert (
+        out / "config.yaml"
+    ).read_text() == config  # --config out/config.yaml still repeats the training run
     assert len(read_metrics(out)) == rows + 1 and read_metrics(out)[-1]["weights"] == str(weights)
 
 
@@ -111,8 +178,11 @@ def test_shards_are_disjoint_and_reshuffled_from_the_seed(tiny_mnist, tmp_path):
     def probe(seed):
         out = tmp_path / f"seed{seed}-{uuid.uuid4().hex[:6]}"
         out.mkdir()
-        res = launch(["tests/shard_probe.py", "--dataset", tiny_mnist, "--batch_size", 16, "--seed", seed],
-                     nproc=2, env={"PROBE_OUT": str(out)})
+        res = launch(
+            ["tests/shard_probe.py", "--dataset", tiny_mnist, "--batch_size", 16, "--seed", seed],
+            nproc=2,
+            env={"PROBE_OUT": str(out)},
+        )
         assert_ok(res)
         return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -128,8 +198,20 @@ def test_shards_are_disjoint_and_reshuffled_from_the_seed(tiny_mnist, tmp_path):
 
 
 def test_torchrun_runs_real_ddp(tiny_mnist, tmp_path):
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--smoke",
-                  "--eval_batch_size", 64], nproc=2, launcher="torchrun")
+    res = launch(
+        [
+            RECIPE,
+            "--dataset",
+            tiny_mnist,
+            "--output_dir",
+            tmp_path,
+            "--smoke",
+            "--eval_batch_size",
+            64,
+        ],
+        nproc=2,
+        launcher="torchrun",
+    )
     assert_ok(res)
     (row,) = read_metrics(tmp_path)
     assert row["world_size"] == 2 and row["eval_samples"] == N_TEST
@@ -155,7 +237,13 @@ def copy_with_tiny_model():
     source = original.replace("# ADAPT: your model.", TINY_MODEL + "# ADAPT: your model.")
     source = source.replace("model = BasicNet()", "model = TinyNet()")
     # One line of the recipe changes, besides the model added (README: Make your own recipe).
-    assert sum(line.startswith("- ") for line in difflib.ndiff(original.splitlines(), source.splitlines())) == 1
+    assert (
+        sum(
+            line.startswith("- ")
+            for line in difflib.ndiff(original.splitlines(), source.splitlines())
+        )
+        == 1
+    )
     copy = REPO / "recipes" / f"my_recipe_{uuid.uuid4().hex[:8]}.py"
     copy.write_text(source)
     try:
@@ -167,8 +255,13 @@ def copy_with_tiny_model():
 @pytest.mark.slow
 def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
     with copy_with_tiny_model() as copy:
-        one = launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "one", "--smoke"], launcher="python")
-        two = launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "two", "--smoke"], nproc=2)
+        one = launch(
+            [copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "one", "--smoke"],
+            launcher="python",
+        )
+        two = launch(
+            [copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "two", "--smoke"], nproc=2
+        )
     for res, out in ((one, "one"), (two, "two")):
         assert_ok(res)
         assert read_metrics(tmp_path / out)[0]["eval_samples"] == N_TEST
@@ -177,18 +270,41 @@ def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
 
 @pytest.mark.slow
 def test_gradient_accumulation_counts_optimizer_steps_and_a_short_last_group_steps_with_the_mean_gradient(
-        tiny_mnist, tmp_path):
+    tiny_mnist, tmp_path
+):
     # 256 samples in batches of 32, accumulated 3 at a time, are groups of 3, 3 and 2 batches:
     # the samples of batches of 96, 96 and 64 without accumulation. With a model that has no
     # dropout or batch norm, the two runs must train the same weights, also on the short step.
     assert N_TRAIN == 256
     with copy_with_tiny_model() as copy:
         for out, batch_size, group in (("accumulated", 32, 3), ("whole", 96, 1)):
-            res = launch([copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / out, "--epochs", 1,
-                          "--batch_size", batch_size, "--gradient_accumulation_steps", group], launcher="python")
+            res = launch(
+                [
+                    copy,
+                    "--dataset",
+                    tiny_mnist,
+                    "--output_dir",
+                    tmp_path / out,
+                    "--epochs",
+                    1,
+                    "--batch_size",
+                    batch_size,
+                    "--gradient_accumulation_steps",
+                    group,
+                ],
+                launcher="python",
+            )
             assert_ok(res)
             assert f"batch {batch_size} per process = 96 per optimizer step" in res.output
-    accumulated, whole = (load_file(tmp_path / out / "model.safetensors") for out in ("accumulated", "whole"))
-    assert read_metrics(tmp_path / "accumulated")[0]["step"] == read_metrics(tmp_path / "whole")[0]["step"] == 3
+    accumulated, whole = (
+        load_file(tmp_path / out / "model.safetensors") for out in ("accumulated", "whole")
+    )
+    assert (
+        read_metrics(tmp_path / "accumulated")[0]["step"]
+        == read_metrics(tmp_path / "whole")[0]["step"]
+        == 3
+    )
     for k in whole:
-        assert torch.allclose(accumulated[k], whole[k], rtol=0, atol=1e-6), (accumulated[k] - whole[k]).abs().max()
+        assert torch.allclose(accumulated[k], whole[k], rtol=0, atol=1e-6), (
+            (accumulated[k] - whole[k]).abs().max()
+        )

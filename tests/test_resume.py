@@ -12,12 +12,21 @@ import psutil
 import pytest
 import torch
 import yaml
+from conftest import (
+    BIN,
+    N_TEST,
+    REPO,
+    assert_ema_is_evaluated_and_followed,
+    assert_ok,
+    free_port,
+    launch,
+    read_metrics,
+    stopped_at,
+)
 from safetensors.torch import load_file
 
 from common.checkpoint import _WROTE, choose_checkpoint
 from common.config import UserError
-from conftest import BIN, REPO, N_TEST, assert_ema_is_evaluated_and_followed, assert_ok, free_port
-from conftest import launch, read_metrics, stopped_at
 
 RECIPE = "recipes/mnist.py"
 # 256 train samples, batch 32: 8 optimizer steps per epoch on 1 process, 4 on 2.
@@ -44,8 +53,12 @@ def train(data, out, *args, nproc=1):
 def straight(tiny_mnist, tmp_path_factory):
     """13 steps on one process (8 an epoch), with checkpoints at steps 5, 8 (the end of epoch 1), 10 and 13."""
     out = tmp_path_factory.mktemp("straight")
-    train(tiny_mnist, out, "--max_steps", 13, "--checkpoint_every_steps", 5, "--keep_checkpoints", 5)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step-{n:08d}" for n in (5, 8, 10, 13)]
+    train(
+        tiny_mnist, out, "--max_steps", 13, "--checkpoint_every_steps", 5, "--keep_checkpoints", 5
+    )
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        f"step-{n:08d}" for n in (5, 8, 10, 13)
+    ]
     return out
 
 
@@ -63,7 +76,8 @@ def test_stop_and_resume_gives_bit_identical_weights(tiny_mnist, straight, tmp_p
 
 @pytest.mark.slow
 def test_max_steps_on_an_epoch_end_completes_it_resumes_exactly_and_a_finished_run_only_evaluates(
-        tiny_mnist, straight, tmp_path):
+    tiny_mnist, straight, tmp_path
+):
     split = tmp_path / "split"
     train(tiny_mnist, split, "--max_steps", 8)  # 8 steps an epoch: the end of epoch 1
     assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["step-00000008"]
@@ -74,7 +88,10 @@ def test_max_steps_on_an_epoch_end_completes_it_resumes_exactly_and_a_finished_r
     # The same command again: max_steps is reached already, so it only evaluates.
     before = sorted(p.name for p in (split / "checkpoints").iterdir())
     res = train(tiny_mnist, split, "--max_steps", 13, "--resume", "latest")
-    assert "epoch 2:" not in res.output and sorted(p.name for p in (split / "checkpoints").iterdir()) == before
+    assert (
+        "epoch 2:" not in res.output
+        and sorted(p.name for p in (split / "checkpoints").iterdir()) == before
+    )
     assert read_metrics(split)[-1]["epoch"] is None and read_metrics(split)[-1]["step"] == 13
     assert_identical(weights(straight), weights(split))
 
@@ -85,8 +102,26 @@ def test_resume_with_gradient_accumulation_is_exact(tiny_mnist, tmp_path):
     # batch 3); the resumed epoch must still weigh its short last group as the straight run does.
     straight, split = tmp_path / "straight", tmp_path / "split"
     accumulate = ["--gradient_accumulation_steps", 3]
-    train(tiny_mnist, straight, *accumulate, "--max_steps", 6, "--checkpoint_every_steps", 4, "--keep_checkpoints", 5)
-    res = train(tiny_mnist, stopped_at(straight, 4, split), *accumulate, "--max_steps", 6, "--resume", "latest")
+    train(
+        tiny_mnist,
+        straight,
+        *accumulate,
+        "--max_steps",
+        6,
+        "--checkpoint_every_steps",
+        4,
+        "--keep_checkpoints",
+        5,
+    )
+    res = train(
+        tiny_mnist,
+        stopped_at(straight, 4, split),
+        *accumulate,
+        "--max_steps",
+        6,
+        "--resume",
+        "latest",
+    )
     assert "(epoch 2, step 4)" in res.output
     assert_identical(weights(straight), weights(split))
 
@@ -96,8 +131,9 @@ def test_two_process_resume_is_exact_too_with_the_moving_average(tiny_mnist, tmp
     # 1-process resume without it: above; 2-process runs without it resume in test_faults.py.
     straight, split = tmp_path / "straight", tmp_path / "split"
     args = ["--ema_decay", 0.9, "--max_steps", 7]  # 4 steps an epoch on 2 processes
-    train(tiny_mnist, straight, *args, "--checkpoint_every_steps", 3, "--keep_checkpoints", 5,
-          nproc=2)
+    train(
+        tiny_mnist, straight, *args, "--checkpoint_every_steps", 3, "--keep_checkpoints", 5, nproc=2
+    )
     stopped_at(straight, 3, split)  # mid-epoch 1: each rank skips its own 3 batches
     assert (split / "checkpoints" / "step-00000003" / "random_states_1.pkl").is_file()
     res = train(tiny_mnist, split, *args, "--resume", "latest", nproc=2)
@@ -108,7 +144,9 @@ def test_two_process_resume_is_exact_too_with_the_moving_average(tiny_mnist, tmp
 
 
 @pytest.mark.slow
-def test_a_compiled_ddp_model_resumes_exactly_evaluates_every_sample_and_saves_plain_weights(tiny_mnist, tmp_path):
+def test_a_compiled_ddp_model_resumes_exactly_evaluates_every_sample_and_saves_plain_weights(
+    tiny_mnist, tmp_path
+):
     # torch.compile as users turn it on: the dynamo_config of the shipped
     # accelerate_configs/1gpu_cudagraphs.yaml, on 2 processes, so Accelerate compiles the
     # DDP-wrapped model. The CPU compiles without CUDA graphs (mode reduce-overhead then builds
@@ -121,8 +159,11 @@ def test_a_compiled_ddp_model_resumes_exactly_evaluates_every_sample_and_saves_p
     args = ["--epochs", 2, "--batch_size", 48, "--eval_batch_size", 256]
 
     def run(out, *more):
-        res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", out, *args, *more], nproc=2,
-                     config=config)
+        res = launch(
+            [RECIPE, "--dataset", tiny_mnist, "--output_dir", out, *args, *more],
+            nproc=2,
+            config=config,
+        )
         assert_ok(res)
         assert "torch.compile backend inductor mode reduce-overhead" in res.output
         return res
@@ -131,18 +172,31 @@ def test_a_compiled_ddp_model_resumes_exactly_evaluates_every_sample_and_saves_p
     run(straight, "--checkpoint_every_steps", 2, "--keep_checkpoints", 5)
     stopped_at(straight, 2, split)  # mid-epoch 1: 3 steps of 48 an epoch per rank (even_batches)
     assert "(epoch 1, step 2)" in run(split, "--resume", "latest").output
-    assert_identical(weights(straight), weights(split))  # dropout included: its RNG state resumes too
+    assert_identical(
+        weights(straight), weights(split)
+    )  # dropout included: its RNG state resumes too
     # 1001 test samples over 2 ranks x 256: the padding of the last batch is never counted,
     # after epochs 1 and 2 of either run.
     assert [r["eval_samples"] for r in read_metrics(straight)] == [N_TEST] * 2
     assert [r["eval_samples"] for r in read_metrics(split)] == [N_TEST] * 2
     # model.safetensors has the plain model's keys, not torch.compile's `_orig_mod.` ones.
-    assert "conv1.weight" in weights(straight) and not any(k.startswith("_orig_mod.") for k in weights(straight))
+    assert "conv1.weight" in weights(straight) and not any(
+        k.startswith("_orig_mod.") for k in weights(straight)
+    )
 
 
 @pytest.mark.slow
 def test_keep_last_checkpoints_and_ignore_unfinished_writes(tiny_mnist, tmp_path):
-    train(tiny_mnist, tmp_path, "--max_steps", 6, "--checkpoint_every_steps", 2, "--keep_checkpoints", 2)
+    train(
+        tiny_mnist,
+        tmp_path,
+        "--max_steps",
+        6,
+        "--checkpoint_every_steps",
+        2,
+        "--keep_checkpoints",
+        2,
+    )
     ckpts = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000004", "step-00000006"]
     # Going on from the older one here would let step-6 outrank (and keep_checkpoints delete) the new ones.
@@ -157,13 +211,17 @@ def test_keep_last_checkpoints_and_ignore_unfinished_writes(tiny_mnist, tmp_path
     assert not partial.exists()
 
 
-def test_a_checkpoint_that_cannot_load_is_one_line_and_deletes_nothing(tiny_mnist, mnist_checkpoint, tmp_path):
+def test_a_checkpoint_that_cannot_load_is_one_line_and_deletes_nothing(
+    tiny_mnist, mnist_checkpoint, tmp_path
+):
     run = shutil.copytree(mnist_checkpoint, tmp_path / "run")
     ckpt = run / "checkpoints" / "step-00000002"
     model_file = ckpt / "model.safetensors"
     model_file.write_bytes(model_file.read_bytes()[:1000])  # truncated
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", run, *COMMON, "--resume", "latest"],
-                 launcher="python")
+    res = launch(
+        [RECIPE, "--dataset", tiny_mnist, "--output_dir", run, *COMMON, "--resume", "latest"],
+        launcher="python",
+    )
     lines = res.output.strip().splitlines()
     assert res.returncode == 2 and lines[-1].startswith("error: "), res
     assert f"cannot load checkpoint {ckpt}" in lines[-1] and "Traceback" not in res.output, res
@@ -177,27 +235,37 @@ def test_bad_resume_choices_say_what_to_do(mnist_checkpoint, tmp_path):
     for args, message in [
         (dict(resume=str(tmp_path / "nope")), "resume checkpoint"),
         (dict(resume=None), "holds checkpoints of an earlier run: add --resume latest"),
-        (dict(resume="latest", eval_only=True, root=tmp_path / "empty" / "checkpoints"),
-         f"eval_only found no checkpoint in {tmp_path / 'empty' / 'checkpoints'}"),
+        (
+            dict(resume="latest", eval_only=True, root=tmp_path / "empty" / "checkpoints"),
+            f"eval_only found no checkpoint in {tmp_path / 'empty' / 'checkpoints'}",
+        ),
     ]:
         with pytest.raises(UserError, match=re.escape(message)):
             choose_checkpoint(args.pop("resume"), args.pop("root", root), **args)
 
 
 @pytest.mark.slow
-def test_a_restart_never_takes_over_an_earlier_runs_checkpoints(tiny_mnist, mnist_checkpoint, tmp_path):
+def test_a_restart_never_takes_over_an_earlier_runs_checkpoints(
+    tiny_mnist, mnist_checkpoint, tmp_path
+):
     # The first attempt stops on "holds checkpoints of an earlier run"; torchrun restarts it, and
     # the restarted workers must stop the same way, not resume the run they were refused.
     tmp_path = shutil.copytree(mnist_checkpoint, tmp_path / "run")
     before = {p.name for p in (tmp_path / "checkpoints").iterdir()}
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON], nproc=2,
-                 launcher="torchrun", launcher_args=["--max-restarts", 1])
+    res = launch(
+        [RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON],
+        nproc=2,
+        launcher="torchrun",
+        launcher_args=["--max-restarts", 1],
+    )
     assert res.returncode != 0 and "resumed from" not in res.output
     assert res.output.count("holds checkpoints of an earlier run") >= 2  # once per attempt
     assert {p.name for p in (tmp_path / "checkpoints").iterdir()} == before
 
 
-def test_a_restart_goes_on_from_this_jobs_last_checkpoint_and_never_from_another_runs(tmp_path, monkeypatch):
+def test_a_restart_goes_on_from_this_jobs_last_checkpoint_and_never_from_another_runs(
+    tmp_path, monkeypatch
+):
     # What torchrun's restarted workers find: the agent's store, which outlives them, and
     # checkpoints from this job and maybe from others. Here this job resumed step-4 (copied in
     # from elsewhere) and wrote step-8; step-12 is left from an abandoned run.
@@ -216,9 +284,13 @@ def test_a_restart_goes_on_from_this_jobs_last_checkpoint_and_never_from_another
     # of the newer checkpoints, and no going on from an older one among them.
     with pytest.raises(UserError, match="holds checkpoints of an earlier run"):
         choose_checkpoint(None, tmp_path, restarted=True)
-    with pytest.raises(UserError, match="step-00000004 is older than step-00000012 in the same folder: to go on"):
+    with pytest.raises(
+        UserError, match="step-00000004 is older than step-00000012 in the same folder: to go on"
+    ):
         choose_checkpoint(str(named), tmp_path, restarted=True)
-    assert choose_checkpoint(str(named), tmp_path, eval_only=True) == named  # evaluating it writes nothing
+    assert (
+        choose_checkpoint(str(named), tmp_path, eval_only=True) == named
+    )  # evaluating it writes nothing
     store.set(_WROTE, "step-00000008")  # what save_checkpoint records
     assert choose_checkpoint(str(named), tmp_path, restarted=True) == tmp_path / "step-00000008"
     assert choose_checkpoint(None, tmp_path, restarted=True) == tmp_path / "step-00000008"
@@ -236,8 +308,10 @@ def test_loading_a_checkpoint_never_runs_code(tiny_mnist, mnist_checkpoint, tmp_
     exploit = _Exploit()
     exploit.marker = marker
     torch.save({"state": exploit}, tmp_path / "checkpoints" / "step-00000002" / "optimizer.bin")
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON, "--resume", "latest"],
-                 launcher="python")
+    res = launch(
+        [RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *COMMON, "--resume", "latest"],
+        launcher="python",
+    )
     assert res.returncode == 2 and "cannot load checkpoint" in res.output, res
     assert not marker.exists()
 
@@ -247,9 +321,10 @@ def test_old_ddp_checkpoint_with_module_prefix_loads(mnist_checkpoint, tmp_path)
     # What --weights does with a file of a DDP-era script (a `module.` prefix, torch.save) or of
     # a compiled model (`_orig_mod.`), checked in-process: the same tensors, bit for bit. The
     # launch with --weights is test_mnist.py's test_eval_is_identical_on_one_and_two_processes.
+    from recipe_module import load_recipe
+
     from common.checkpoint import load_weights
     from common.config import parse_config
-    from recipe_module import load_recipe
 
     mnist = load_recipe("mnist")
     state = weights(mnist_checkpoint)
@@ -264,25 +339,52 @@ def test_old_ddp_checkpoint_with_module_prefix_loads(mnist_checkpoint, tmp_path)
 def _wait_for(predicate, proc, timeout=120):
     deadline = time.time() + timeout
     while not predicate():
-        assert proc.poll() is None, f"exited early with {proc.returncode}: {proc.stdout.read()[-3000:]}"
+        assert proc.poll() is None, (
+            f"exited early with {proc.returncode}: {proc.stdout.read()[-3000:]}"
+        )
         assert time.time() < deadline, "timed out"
         time.sleep(0.2)
 
 
 def _start(cmd, out):
-    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 @pytest.mark.slow
 def test_ctrl_c_writes_a_checkpoint_on_every_rank_and_resume_finishes(tiny_mnist, tmp_path):
-    cmd = [BIN / "accelerate", "launch", "--config_file", "accelerate_configs/2gpu.yaml", "--main_process_port",
-           free_port(), RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--epochs", 200,
-           "--batch_size", 32, "--eval_batch_size", 512]
+    cmd = [
+        BIN / "accelerate",
+        "launch",
+        "--config_file",
+        "accelerate_configs/2gpu.yaml",
+        "--main_process_port",
+        free_port(),
+        RECIPE,
+        "--dataset",
+        tiny_mnist,
+        "--output_dir",
+        tmp_path,
+        "--epochs",
+        200,
+        "--batch_size",
+        32,
+        "--eval_batch_size",
+        512,
+    ]
     proc = _start(cmd, tmp_path)
     try:
         _wait_for(lambda: (tmp_path / "metrics.jsonl").exists(), proc)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does: every process gets it
+        os.killpg(
+            proc.pid, signal.SIGINT
+        )  # what Ctrl-C in the terminal does: every process gets it
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -291,8 +393,24 @@ def test_ctrl_c_writes_a_checkpoint_on_every_rank_and_resume_finishes(tiny_mnist
     assert proc.returncode != 0
     step = int(out.split("stopped at step ")[1].split(";")[0])
     assert (tmp_path / "checkpoints" / f"step-{step:08d}" / "random_states_1.pkl").is_file()
-    res = launch([RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, "--epochs", 3, "--batch_size", 32,
-                  "--eval_batch_size", 512, "--resume", "latest"], nproc=2)
+    res = launch(
+        [
+            RECIPE,
+            "--dataset",
+            tiny_mnist,
+            "--output_dir",
+            tmp_path,
+            "--epochs",
+            3,
+            "--batch_size",
+            32,
+            "--eval_batch_size",
+            512,
+            "--resume",
+            "latest",
+        ],
+        nproc=2,
+    )
     assert_ok(res)
     assert f"step {step})" in res.output
 
@@ -300,14 +418,34 @@ def test_ctrl_c_writes_a_checkpoint_on_every_rank_and_resume_finishes(tiny_mnist
 @pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(tiny_mnist, tmp_path):
     epochs = 12
-    cmd = [BIN / "torchrun", "--nproc_per_node", 2, "--max-restarts", 1, "--master_port", free_port(), RECIPE,
-           "--dataset", tiny_mnist, "--output_dir", tmp_path, "--epochs", epochs, "--batch_size", 32,
-           "--eval_batch_size", 512]
+    cmd = [
+        BIN / "torchrun",
+        "--nproc_per_node",
+        2,
+        "--max-restarts",
+        1,
+        "--master_port",
+        free_port(),
+        RECIPE,
+        "--dataset",
+        tiny_mnist,
+        "--output_dir",
+        tmp_path,
+        "--epochs",
+        epochs,
+        "--batch_size",
+        32,
+        "--eval_batch_size",
+        512,
+    ]
     proc = _start(cmd, tmp_path)
     try:
         _wait_for(lambda: len(list((tmp_path / "checkpoints").glob("step-*"))) >= 2, proc)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if p.environ().get("RANK") == "1" and "mnist" in " ".join(p.cmdline())]
+        workers = [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if p.environ().get("RANK") == "1" and "mnist" in " ".join(p.cmdline())
+        ]
         assert len(workers) == 1
         workers[0].kill()
         out, _ = proc.communicate(timeout=300)
@@ -317,5 +455,9 @@ def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(tiny_mnist
     assert proc.returncode == 0, out[-4000:]
     assert "resumed from" in out
     rows = read_metrics(tmp_path)
-    assert rows[-1]["epoch"] == epochs and rows[-1]["step"] == epochs * 4 and rows[-1]["eval_samples"] == N_TEST
+    assert (
+        rows[-1]["epoch"] == epochs
+        and rows[-1]["step"] == epochs * 4
+        and rows[-1]["eval_samples"] == N_TEST
+    )
     assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "best.safetensors").is_file()

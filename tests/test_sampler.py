@@ -11,10 +11,10 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from conftest import assert_ok, launch
 
 from common.determinism import set_deterministic
 from common.sampler import BucketBatchSampler
-from conftest import assert_ok, launch
 
 BUDGET = 4096
 # (64, 80) costs 5120 > BUDGET: such a sample must make a batch of its own.
@@ -58,7 +58,9 @@ def cost(batch, sizes=SIZES):
 def test_training_shards_cover_everything_with_equal_batch_counts(num_replicas):
     per_rank = ranks(num_replicas, seed=5)
     batches = all_batches(seed=5)
-    assert len(batches) % 3 == 2, "pick data whose batch count leaves a remainder, so padding is exercised"
+    assert len(batches) % 3 == 2, (
+        "pick data whose batch count leaves a remainder, so padding is exercised"
+    )
     assert len({len(b) for b in per_rank}) == 1, "every rank must get the same number of batches"
     seen = Counter(flat(itertools.chain(*per_rank)))
     assert set(seen) == set(range(len(SIZES)))
@@ -74,7 +76,9 @@ def test_drop_last_gives_equal_counts_without_repeats():
     assert len(per_rank[0]) == len(per_rank[1]) == len(batches) // 2
     seen = flat(itertools.chain(*per_rank))
     assert len(seen) == len(set(seen))
-    assert set(range(len(SIZES))) - set(seen) == set(batches[-1]), "only the last batch of the epoch is dropped"
+    assert set(range(len(SIZES))) - set(seen) == set(batches[-1]), (
+        "only the last batch of the epoch is dropped"
+    )
 
 
 @pytest.mark.parametrize("num_replicas", [1, 2, 3])
@@ -95,7 +99,9 @@ def test_the_budget_is_respected_and_big_samples_make_small_batches():
     over = [i for i, (h, w) in enumerate(SIZES) if h * w > BUDGET]
     assert over and all([i] in batches for i in over), "an over-budget sample forms its own batch"
     small = [b for b in batches if all(SIZES[i] == (8, 8) for i in b)]
-    assert small and max(len(b) for b in small) == 6, "small samples fill batches up to max_batch_size"
+    assert small and max(len(b) for b in small) == 6, (
+        "small samples fill batches up to max_batch_size"
+    )
     # Similar sizes are grouped: padding wastes little.
     pixels = sum(h * w for h, w in SIZES)
     assert sum(cost(b) for b in batches) < 1.1 * pixels
@@ -119,10 +125,14 @@ def test_order_changes_every_epoch_and_repeats_for_the_same_seed():
     largest = [max(SIZES[i]) for batch in epoch1[0] for i in batch]
     assert largest != sorted(largest)
     # Samples of one size are grouped differently in each epoch, not only reordered.
-    assert {tuple(sorted(b)) for b in epoch1[0] + epoch1[1]} != {tuple(sorted(b)) for b in epoch2[0] + epoch2[1]}
+    assert {tuple(sorted(b)) for b in epoch1[0] + epoch1[1]} != {
+        tuple(sorted(b)) for b in epoch2[0] + epoch2[1]
+    }
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"drop_last": True}, {"shuffle": False, "even_batches": False}])
+@pytest.mark.parametrize(
+    "kwargs", [{}, {"drop_last": True}, {"shuffle": False, "even_batches": False}]
+)
 def test_len_is_the_number_of_batches_of_this_rank(kwargs):
     for rank in range(3):
         sampler = BucketBatchSampler(SIZES, BUDGET, 3, rank, **kwargs)
@@ -141,9 +151,13 @@ def test_bad_input_is_rejected():
 
 @pytest.fixture
 def restore_determinism():
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None))
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None),
+    )
     yield
     torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
@@ -178,8 +192,13 @@ def test_bucket_loader_on_real_processes(nproc, tmp_path):
     train, test = mixed_sizes(91, seed=1), mixed_sizes(41, seed=2)
     spec = tmp_path / "sizes.json"
     spec.write_text(json.dumps({"train": train, "test": test, "budget": BUDGET}))
-    res = launch(["tests/bucket_probe.py", spec], nproc=nproc, launcher="python" if nproc == 1 else "accelerate",
-                 env={"PROBE_OUT": str(tmp_path)}, timeout=180)
+    res = launch(
+        ["tests/bucket_probe.py", spec],
+        nproc=nproc,
+        launcher="python" if nproc == 1 else "accelerate",
+        env={"PROBE_OUT": str(tmp_path)},
+        timeout=180,
+    )
     assert_ok(res)
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
 
@@ -194,9 +213,13 @@ def test_bucket_loader_on_real_processes(nproc, tmp_path):
         assert report["replay_epoch1"] == report["train"]["1"]
         assert report["resumed_epoch2"] == report["train"]["2"][2:]
         assert all(n == 1 or n * h * w <= BUDGET for n, _, h, w in report["shapes"])
-        assert report["eval_samples"] == len(test) and report["eval_id_sum"] == sum(range(len(test)))
+        assert report["eval_samples"] == len(test) and report["eval_id_sum"] == sum(
+            range(len(test))
+        )
         assert report["world_size"] == nproc
-        assert report["device"].startswith("cuda" if torch.cuda.is_available() else "cpu"), "batches on the device"
+        assert report["device"].startswith("cuda" if torch.cuda.is_available() else "cpu"), (
+            "batches on the device"
+        )
     for epoch in ("1", "2"):
         ids = flat(itertools.chain(*(r["train"][epoch] for r in seen)))
         assert set(ids) == set(range(len(train)))
@@ -205,5 +228,6 @@ def test_bucket_loader_on_real_processes(nproc, tmp_path):
     assert sorted(evaluated) == list(range(len(test))), "every test sample evaluated exactly once"
     if nproc == 2:
         assert len(all_batches(train, seed=3)) % 2 == 1, "the training batches must need padding"
-        assert seen[0]["eval_len"] != seen[1]["eval_len"], "the ranks must hold different eval batch counts"
-
+        assert seen[0]["eval_len"] != seen[1]["eval_len"], (
+            "the ranks must hold different eval batch counts"
+        )

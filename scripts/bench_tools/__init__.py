@@ -38,9 +38,20 @@ def recipe_config(recipe, args, *flags):
     bench's repetitions (each an epoch), so that a schedule planned over the epochs (OneCycleLR)
     covers them all, and it writes no checkpoint and stops at no max_steps. A bad setting stops
     with the recipe's one-line error."""
-    argv = ["--dataset", args.dataset, "--output_dir", args.workdir, "--max_steps", "0",
-            "--checkpoint_every_steps", "0", "--epochs", str(args.warmup + args.reps),
-            *(["--config", args.config] if args.config else []), *flags]
+    argv = [
+        "--dataset",
+        args.dataset,
+        "--output_dir",
+        args.workdir,
+        "--max_steps",
+        "0",
+        "--checkpoint_every_steps",
+        "0",
+        "--epochs",
+        str(args.warmup + args.reps),
+        *(["--config", args.config] if args.config else []),
+        *flags,
+    ]
     try:
         return parse_config(recipe.Config, argv)
     except UserError as e:

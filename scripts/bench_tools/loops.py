@@ -13,12 +13,13 @@ def last_batches(train_loader, steps, dataset):
     epoch_steps = len(train_loader)
     steps = steps or epoch_steps
     if steps > epoch_steps:
-        raise SystemExit(f"error: --steps {steps} is more than one epoch ({epoch_steps} steps) of "
-                         f"{dataset}")
+        raise SystemExit(
+            f"error: --steps {steps} is more than one epoch ({epoch_steps} steps) of {dataset}"
+        )
     samples, batch_size = len(train_loader.dataset), train_loader.batch_size
     sizes = [batch_size] * epoch_steps
     sizes[-1] = samples - batch_size * (epoch_steps - 1)
-    return epoch_steps, sizes[epoch_steps - steps:]
+    return epoch_steps, sizes[epoch_steps - steps :]
 
 
 def recipe_rep(accelerator, loader, progress, epoch_steps, sizes, train_epoch):
@@ -39,8 +40,9 @@ def recipe_rep(accelerator, loader, progress, epoch_steps, sizes, train_epoch):
         if progress.interrupted:  # Ctrl-C: train_one_epoch stopped (and checkpointed to scratch)
             raise KeyboardInterrupt
         if not progress.end_epoch(epoch_steps):
-            raise RuntimeError(f"the epoch ended after {progress.batches_done} of {epoch_steps} "
-                               f"batches")
+            raise RuntimeError(
+                f"the epoch ended after {progress.batches_done} of {epoch_steps} batches"
+            )
         rep.peak_mb = train["peak_memory_mb"]
         return sum(sizes)
 
@@ -57,6 +59,7 @@ def bound_step(accelerator, model, optimizer, x, y):
 
 def bound_rep(model, batches, train_step):
     """A repetition of the bound: train_step(x, y) on each of `batches`, already on the device."""
+
     def rep():
         model.train()
         for x, y in batches:
@@ -69,6 +72,7 @@ def bound_rep(model, batches, train_step):
 def classic_rep(model, loader, steps, device, train_step):
     """A repetition of a tutorial loop: the first `steps` batches of `loader`, each sent to the
     device per batch as the tutorials do (images float32, targets int64), then train_step(x, y)."""
+
     def rep():
         model.train()
         samples = 0

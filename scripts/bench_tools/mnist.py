@@ -19,8 +19,9 @@ class ClassicMNIST(Dataset):
 
     def __init__(self, images, labels):
         self.images, self.labels = images, labels  # uint8 [N, 28, 28], int64 [N]
-        self.transform = transforms.Compose([transforms.ToTensor(),
-                                             transforms.Normalize((0.1307,), (0.3081,))])
+        self.transform = transforms.Compose(
+            [transforms.ToTensor(), transforms.Normalize((0.1307,), (0.3081,))]
+        )
 
     def __len__(self):
         return len(self.labels)
@@ -55,8 +56,9 @@ def bench_mnist(args, accelerator):
         progress = Progress(accelerator, cfg, metric="accuracy")
 
         def train_epoch(epoch_loader):
-            return mnist.train_one_epoch(model, epoch_loader, optimizer, scheduler, accelerator,
-                                         cfg, progress, None)
+            return mnist.train_one_epoch(
+                model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress, None
+            )
 
         return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, train_epoch)
 
@@ -66,22 +68,29 @@ def bench_mnist(args, accelerator):
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed))
         batches, start = [], 0
         for n in sizes:
-            idx = order[start:start + n]
+            idx = order[start : start + n]
             start += n
             batches.append((mnist.normalize(images[idx]).to(device), labels[idx].to(device)))
-        return bound_rep(model, batches,
-                         lambda x, y: bound_step(accelerator, model, optimizer, x, y))
+        return bound_rep(
+            model, batches, lambda x, y: bound_step(accelerator, model, optimizer, x, y)
+        )
 
     def setup_classic(workers):
         def setup():
             model, optimizer = new_model()
             model, optimizer = accelerator.prepare(model, optimizer)
             dataset = ClassicMNIST(images[:, 0].numpy(), labels.numpy())
-            loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True,
-                                num_workers=workers)
+            loader = DataLoader(
+                dataset, batch_size=cfg.batch_size, shuffle=True, num_workers=workers
+            )
 
-            return classic_rep(model, loader, steps, device,
-                               lambda x, y: bound_step(accelerator, model, optimizer, x, y))
+            return classic_rep(
+                model,
+                loader,
+                steps,
+                device,
+                lambda x, y: bound_step(accelerator, model, optimizer, x, y),
+            )
 
         return setup
 
@@ -96,16 +105,24 @@ def bench_mnist(args, accelerator):
         "samples_per_rep": sum(sizes),
         "model": "BasicNet",
         "optimizer": f"{cfg.optimizer}(lr={lr:g}, weight_decay={cfg.weight_decay:g}), scheduler "
-                     f"{cfg.scheduler}; recipes/mnist.py make_optimizer and make_scheduler",
+        f"{cfg.scheduler}; recipes/mnist.py make_optimizer and make_scheduler",
         "recipe_loop": f"recipes/mnist.py make_loaders + train_one_epoch (num_workers "
-                       f"{cfg.num_workers}, data_on_device {cfg.data_on_device}{shift})",
-        "startup_cmd": [sys.executable, "recipes/mnist.py", "--dataset", cfg.dataset, *preset,
-                        "--smoke", "--smoke_steps", "1"],
+        f"{cfg.num_workers}, data_on_device {cfg.data_on_device}{shift})",
+        "startup_cmd": [
+            sys.executable,
+            "recipes/mnist.py",
+            "--dataset",
+            cfg.dataset,
+            *preset,
+            "--smoke",
+            "--smoke_steps",
+            "1",
+        ],
         "startup_marker": "mnist: ",  # main() prints this line after data, model and prepare()
         "what": {
             "recipe": "recipe's make_loaders + train_one_epoch",
             "bound": "normalised batches already on the device"
-                     + (", no shift" if cfg.shift else ""),
+            + (", no shift" if cfg.shift else ""),
             "classic_w0": "PIL -> ToTensor -> Normalize, DataLoader num_workers 0",
             "classic_w1": "the same with num_workers 1",
         },

@@ -18,8 +18,10 @@ def write_report(path, report, header, rows, notes):
     last = len(header) - 1
 
     def line(row):
-        return " ".join(c.ljust(w) if i in (0, last) else c.rjust(w)
-                        for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        return " ".join(
+            c.ljust(w) if i in (0, last) else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths))
+        ).rstrip()
 
     print("\n" + "\n".join(line(row) for row in cells))
     for note in notes:

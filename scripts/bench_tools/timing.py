@@ -47,11 +47,15 @@ def measure(variants, device, warmup, reps):
             rep()
         sync(device)
         runs[name] = rep
-        results[name] = {"samples_per_s": [], "seconds": [], "samples": [],
-                         "peak_memory_mb": getattr(rep, "peak_mb", None) or peak_memory_mb(device)}
+        results[name] = {
+            "samples_per_s": [],
+            "seconds": [],
+            "samples": [],
+            "peak_memory_mb": getattr(rep, "peak_mb", None) or peak_memory_mb(device),
+        }
     names = list(runs)
     for r in range(reps):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             sync(device)
             start = time.perf_counter()
             samples = runs[name]()
@@ -62,8 +66,11 @@ def measure(variants, device, warmup, reps):
             res["seconds"].append(round(seconds, 4))
             # 2 decimals: a U-Net on a CPU does ~10/s.
             res["samples_per_s"].append(round(samples / seconds, 2))
-        print(f"  round {r + 1}/{reps}: " + ", ".join(f"{n} {rate(res['samples_per_s'][-1])}"
-                                                    for n, res in results.items()), flush=True)
+        print(
+            f"  round {r + 1}/{reps}: "
+            + ", ".join(f"{n} {rate(res['samples_per_s'][-1])}" for n, res in results.items()),
+            flush=True,
+        )
     for res in results.values():
         res["median_samples_per_s"] = statistics.median(res["samples_per_s"])
         res["best_samples_per_s"] = max(res["samples_per_s"])
@@ -84,8 +91,9 @@ def time_startup(cmd, marker, runs, workdir):
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         full = cmd + ["--output_dir", str(Path(workdir) / f"startup-{i}")]
         start = time.perf_counter()
-        proc = subprocess.Popen(full, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            full, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         stderr = []
         drain = threading.Thread(target=lambda: stderr.append(proc.stderr.read()))  # no deadlock
         drain.start()
@@ -99,11 +107,18 @@ def time_startup(cmd, marker, runs, workdir):
         total = time.perf_counter() - start
         drain.join()
         if proc.returncode != 0 or ready is None:
-            raise SystemExit(f"error: start-up run failed (exit {proc.returncode}, start-up line "
-                             f"{marker!r} {'seen' if ready else 'not seen'}): {' '.join(full)}\n"
-                             f"{''.join(lines)[-2000:]}{stderr[0][-2000:]}")
-        out.append({"to_first_step_s": round(ready, 3), "to_exit_s": round(total, 3),
-                    "exit_s": round(total - last, 3)})
+            raise SystemExit(
+                f"error: start-up run failed (exit {proc.returncode}, start-up line "
+                f"{marker!r} {'seen' if ready else 'not seen'}): {' '.join(full)}\n"
+                f"{''.join(lines)[-2000:]}{stderr[0][-2000:]}"
+            )
+        out.append(
+            {
+                "to_first_step_s": round(ready, 3),
+                "to_exit_s": round(total, 3),
+                "exit_s": round(total - last, 3),
+            }
+        )
     return out
 
 
@@ -129,9 +144,14 @@ def time_from_imports(name, args, env):
     training step, after the data, the model and prepare())."""
     code = STARTUP_CHILD.format(scripts=str(REPO / "scripts"), name=name)
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=REPO, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, args)],
+        cwd=REPO,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     seen, lines = {}, []
     for line in proc.stdout:
         lines.append(line)
@@ -139,7 +159,11 @@ def time_from_imports(name, args, env):
             if key not in seen and line.startswith(prefix):
                 seen[key] = time.perf_counter() - start
     if proc.wait() != 0 or len(seen) != 2:
-        raise SystemExit(f"error: start-up run failed (exit {proc.returncode}): recipes/{name}.py "
-                         f"{' '.join(map(str, args))}\n{''.join(lines)[-3000:]}")
-    return {"launch_to_imports_done_s": round(seen["imports"], 3),
-            "imports_done_to_first_step_s": round(seen["ready"] - seen["imports"], 3)}
+        raise SystemExit(
+            f"error: start-up run failed (exit {proc.returncode}): recipes/{name}.py "
+            f"{' '.join(map(str, args))}\n{''.join(lines)[-3000:]}"
+        )
+    return {
+        "launch_to_imports_done_s": round(seen["imports"], 3),
+        "imports_done_to_first_step_s": round(seen["ready"] - seen["imports"], 3),
+    }

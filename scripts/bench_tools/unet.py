@@ -16,6 +16,7 @@ from accelerate.utils import set_seed
 from PIL import Image
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 from torch.utils.data import DataLoader, Dataset
+from unet_data import load_data, open_sources
 
 from bench_tools import load_recipe, recipe_config
 from bench_tools.flops import flops_per_sample
@@ -24,7 +25,6 @@ from common.data import worker_count
 from common.determinism import set_deterministic
 from common.progress import Progress
 from common.schedule import fit_cosine
-from unet_data import load_data, open_sources
 
 
 class ClassicSegmentation(Dataset):
@@ -46,8 +46,10 @@ class ClassicSegmentation(Dataset):
         mask = np.zeros(values.shape, dtype=np.int64)
         for c, v in enumerate(self.values):
             mask[values == v] = c
-        return (torch.as_tensor(img.copy()).float().contiguous(),
-                torch.as_tensor(mask.copy()).long().contiguous())
+        return (
+            torch.as_tensor(img.copy()).float().contiguous(),
+            torch.as_tensor(mask.copy()).long().contiguous(),
+        )
 
 
 def make_scheduler(optimizer, cfg, progress, steps_per_epoch):
@@ -64,15 +66,21 @@ def bench_unet(args, accelerator):
     """Set up the U-Net variants, as bench_mnist does."""
     unet = load_recipe("unet")
     device = accelerator.device
-    sizes = [f for k in ("image_size", "batch_size") if getattr(args, k) is not None
-             for f in (f"--{k}", str(getattr(args, k)))]
+    sizes = [
+        f
+        for k in ("image_size", "batch_size")
+        if getattr(args, k) is not None
+        for f in (f"--{k}", str(getattr(args, k)))
+    ]
     cfg = recipe_config(unet, args, *sizes)
     set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)  # as main() does
     if cfg.channels_last == "auto":  # as main() resolves it: on with CUDA
         cfg = dataclasses.replace(cfg, channels_last=str(device.type == "cuda").lower())
     if not (Path(cfg.dataset) / "imgs").is_dir():
-        raise SystemExit(f"error: the U-Net bench needs a folder with imgs/ and masks/ (the "
-                         f"classic loop opens the files), not {cfg.dataset}")
+        raise SystemExit(
+            f"error: the U-Net bench needs a folder with imgs/ and masks/ (the "
+            f"classic loop opens the files), not {cfg.dataset}"
+        )
     # The recipe's own data path, as its main() builds it on one process.
     augment = functools.partial(unet.augment, cfg=cfg)
     data = load_data(cfg, accelerator, unet.input_channels, augment)
@@ -91,8 +99,9 @@ def bench_unet(args, accelerator):
         if cfg.channels_last == "true":
             model = model.to(memory_format=torch.channels_last)
         if tutorial:  # the recipe's AdamW settings, with the foreach kernels that milesial asks for
-            optimizer = torch.optim.AdamW(model.parameters(), lr=lr,
-                                          weight_decay=cfg.weight_decay, foreach=True)
+            optimizer = torch.optim.AdamW(
+                model.parameters(), lr=lr, weight_decay=cfg.weight_decay, foreach=True
+            )
         else:
             optimizer = unet.make_optimizer(model, lr, cfg, accelerator)
         return model, optimizer
@@ -112,12 +121,14 @@ def bench_unet(args, accelerator):
         if compile_model:  # what prepare() does with dynamo_backend INDUCTOR in the config
             model = torch.compile(model)
         progress = Progress(accelerator, cfg, metric="dice")
-        scheduler = make_scheduler(optimizer, cfg, progress,
-                                   math.ceil(len(loader) / cfg.gradient_accumulation_steps))
+        scheduler = make_scheduler(
+            optimizer, cfg, progress, math.ceil(len(loader) / cfg.gradient_accumulation_steps)
+        )
 
         def train_epoch(epoch_loader):
-            return unet.train_one_epoch(model, epoch_loader, optimizer, scheduler, accelerator, cfg,
-                                        progress, None, values)
+            return unet.train_one_epoch(
+                model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress, None, values
+            )
 
         return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, train_epoch)
 
@@ -127,7 +138,7 @@ def bench_unet(args, accelerator):
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed))
         batches, start = [], 0
         for n in sizes:  # the recipe's samples, flips included, as float images on the device
-            pairs = [train_set[i] for i in order[start:start + n].tolist()]
+            pairs = [train_set[i] for i in order[start : start + n].tolist()]
             start += n
             x, y = (torch.stack(t) for t in zip(*pairs))
             batches.append((unet.prepare_input(x.to(device), cfg), y.to(device)))
@@ -139,11 +150,17 @@ def bench_unet(args, accelerator):
             model, optimizer = accelerator.prepare(model, optimizer)
             dataset = ClassicSegmentation(train_source, values)
             # The tutorial pins memory; only a GPU has it (on a CPU, torch warns and ignores it).
-            loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True,
-                                num_workers=workers, pin_memory=device.type == "cuda")
+            loader = DataLoader(
+                dataset,
+                batch_size=cfg.batch_size,
+                shuffle=True,
+                num_workers=workers,
+                pin_memory=device.type == "cuda",
+            )
 
-            return classic_rep(model, loader, steps, device,
-                               lambda x, y: step(model, optimizer, x, y))
+            return classic_rep(
+                model, loader, steps, device, lambda x, y: step(model, optimizer, x, y)
+            )
 
         return setup
 
@@ -157,24 +174,35 @@ def bench_unet(args, accelerator):
         "input_size": list(x.shape[1:]),
         "flops_per_sample": flops_per_sample(
             lambda: unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS}),
-            x, y, lambda logits, y: unet.loss_per_image(logits, y, cfg.num_classes).mean()),
+            x,
+            y,
+            lambda logits, y: unet.loss_per_image(logits, y, cfg.num_classes).mean(),
+        ),
         "steps_per_rep": steps,
         "samples_per_rep": sum(sizes),
         "model": f"UNet(base_channels={cfg.base_channels})",
         "optimizer": f"AdamW(lr={lr:g}, weight_decay={cfg.weight_decay}), gradient norm clipped "
-                     f"to {cfg.grad_clip}, scheduler {cfg.scheduler}; recipe and bound: "
-                     f"make_optimizer (fused kernels, except under fp16); classic: foreach kernels",
+        f"to {cfg.grad_clip}, scheduler {cfg.scheduler}; recipe and bound: "
+        f"make_optimizer (fused kernels, except under fp16); classic: foreach kernels",
         "recipe_loop": f"recipes/unet_data.py load_data ({data.reading}) + recipes/unet.py "
-                       f"train_one_epoch",
-        "startup_cmd": [sys.executable, "recipes/unet.py", "--dataset", cfg.dataset, *preset,
-                        "--smoke", "--smoke_steps", "1"],
+        f"train_one_epoch",
+        "startup_cmd": [
+            sys.executable,
+            "recipes/unet.py",
+            "--dataset",
+            cfg.dataset,
+            *preset,
+            "--smoke",
+            "--smoke_steps",
+            "1",
+        ],
         "startup_marker": "unet: ",  # main() prints this line after data, model and prepare()
         "what": {
             "recipe": "recipe's make_loaders + train_one_epoch",
             "bound": "float batches already on the device",
             "classic_w0": "PIL -> numpy -> tensor per sample, DataLoader num_workers 0",
             f"classic_w{workers}": f"the same with num_workers {workers}, as the recipe streams "
-                                   f"with",
+            f"with",
         },
     }
     variants = {
@@ -187,8 +215,9 @@ def bench_unet(args, accelerator):
         info["what"]["recipe_cl"] = "the recipe with --channels_last true (model and batches NHWC)"
         variants["recipe_cl"] = lambda: setup_recipe(dataclasses.replace(cfg, channels_last="true"))
     if "compile" in args.also:
-        info["what"]["recipe_compile"] = ("the recipe, model compiled (torch.compile, inductor) "
-                                          "after prepare()")
+        info["what"]["recipe_compile"] = (
+            "the recipe, model compiled (torch.compile, inductor) after prepare()"
+        )
         variants["recipe_compile"] = lambda: setup_recipe(compile_model=True)
     return info, variants
 
