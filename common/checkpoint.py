@@ -18,6 +18,7 @@ Weights (for inference and fine-tuning):
     load_weights(model, "model.safetensors")      # also a DDP-era .pt with 'module.' keys
 """
 
+import dataclasses
 import datetime
 import json
 import os
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object, is_compiled_module
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from common.config import UserError
@@ -385,3 +386,49 @@ def resume_training(accelerator, path, cfg, progress, scheduler, recipe, data_or
         scheduler.load_state_dict(same_kind(scheduler, state["scheduler"], path))
     progress.load(state)
     return state
+
+
+def record_metadata(key, record, **more):
+    """save_weights() metadata holding `record` under `key`: a JSON-able dict of what inference
+    needs besides the tensors (the model's settings, its classes, its input size), stored as one
+    JSON entry so that it reads back typed; `more`: other entries beside it."""
+    return {key: json.dumps(record), **more}
+
+
+def read_record(path, key):
+    """The record that record_metadata() stored under `key` in a .safetensors weights file, or in
+    an .onnx file exported from one (common/export.py copies the metadata); None if the file holds
+    none or is neither (a torch.save'd state_dict)."""
+    path = Path(path)
+    if path.suffix not in (".safetensors", ".onnx") or not path.is_file():
+        return None  # load_weights reports a missing file
+    if path.suffix == ".onnx":
+        from common.export import onnx_metadata
+
+        meta = onnx_metadata(path)
+    else:
+        try:
+            with safe_open(path, "pt") as f:
+                meta = f.metadata() or {}
+        except SafetensorError as e:
+            raise UserError(
+                f"cannot read weights file {path} ({e}): it is truncated or not a weights file"
+            ) from None
+    return json.loads(meta[key]) if key in meta else None
+
+
+def fit_to_record(cfg, stored, names, *, path, inferred):
+    """cfg with the model settings `names` that the weights at `path` were trained with
+    (`stored`: the record's model settings): a setting of `inferred` left at 0 (from the data,
+    such as num_classes) takes the stored value; one that differs stops with a line naming it."""
+    changes = {}
+    for name in names:
+        given = getattr(cfg, name)
+        if name in inferred and given == 0:
+            changes[name] = stored[name]
+        elif stored[name] != given:
+            raise UserError(
+                f"{path} was trained with {name} {stored[name]}, not {given}: add "
+                f"--{name} {stored[name]}"
+            )
+    return dataclasses.replace(cfg, **changes)

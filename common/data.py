@@ -350,19 +350,21 @@ def crop_and_flip(images, masks, rand, crop=0, hflip=0.0, vflip=0.0):
     """The same crop and flips for each image of a batch and its mask, per sample, on the batch's
     device: a crop x crop window at a random place (rand[n, 0] and rand[n, 1]; crop 0: the
     whole image), flipped left to right if rand[n, 2] < hflip and upside down if rand[n, 3] <
-    vflip. images [N, C, H, W], masks [N, H, W]. The windows are views; one copy stacks them."""
+    vflip. images [N, C, H, W], masks [N, H, W]. One gather per tensor, with the rows and
+    columns each sample takes: no loop over the samples, and no wait for a GPU."""
     if not (crop or hflip or vflip):
         return images, masks
-    height, width = images.shape[-2:]
+    n, _, height, width = images.shape
     h, w = crop or height, crop or width
-    out = []
-    for image, mask, (row, col, left_right, up_down, *_) in zip(images, masks, rand.tolist()):
-        top = min(int(row * (height - h + 1)), height - h)
-        left = min(int(col * (width - w + 1)), width - w)
-        image, mask = image[:, top : top + h, left : left + w], mask[top : top + h, left : left + w]
-        flips = [dim for dim, p, u in ((-1, hflip, left_right), (-2, vflip, up_down)) if u < p]
-        out.append((image.flip(flips), mask.flip(flips)) if flips else (image, mask))
-    return torch.stack([image for image, _ in out]), torch.stack([mask for _, mask in out])
+    rand, device = rand.to(images.device), images.device
+    top = (rand[:, 0] * (height - h + 1)).long().clamp(max=height - h)[:, None]
+    left = (rand[:, 1] * (width - w + 1)).long().clamp(max=width - w)[:, None]
+    rows, cols = torch.arange(h, device=device)[None], torch.arange(w, device=device)[None]
+    rows = torch.where(rand[:, 3:4] < vflip, h - 1 - rows, rows) + top  # [N, h]
+    cols = torch.where(rand[:, 2:3] < hflip, w - 1 - cols, cols) + left  # [N, w]
+    batch, rows, cols = torch.arange(n, device=device)[:, None, None], rows[:, :, None], cols[:, None]
+    # Indexing with a slice between the index tensors puts the channels last: [N, h, w, C].
+    return images[batch, :, rows, cols].permute(0, 3, 1, 2).contiguous(), masks[batch, rows, cols]
 
 
 def pad_to(tensor, height, width, value):

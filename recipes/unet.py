@@ -4,14 +4,13 @@
     accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/unet.py --dataset DIR
     python recipes/unet.py --predict "photos/*.jpg" --weights runs/unet/model.safetensors --overlay
 
-The accelerate config picks CPU, GPUs and fp16/bf16. Settings: the Config fields below and those
-it inherits, by `--config run.yaml` and `--field value`. Copy this file to start your own
-recipe; `# ADAPT:` marks what to change. Data: unet_data.py; predict: unet_predict.py.
+The accelerate config picks CPU, GPUs and fp16/bf16. Settings: the Config fields below and
+common.config's RunConfig, by `--config run.yaml` and `--field value`. Copy this file to start
+your own recipe; `# ADAPT:` marks what to change: here, and in unet_data.py, the data.
 """
 
 import sys
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
@@ -21,26 +20,22 @@ import torch.nn.functional as F
 from accelerate.utils import broadcast, set_seed
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 from tqdm.auto import tqdm
-from unet_data import IGNORE, MODES, load_data, value_count
-from unet_model import MIN_SIZE, UNet  # ADAPT: your model
-from unet_predict import (
-    PredictConfig,
-    SegmentationWeights,
-    fit_to_weights,
-    image_panel,
-    load_model,
-    predict,
-    predicted_classes,
-    sample_images,
-    segment,
-)
 
-from common.checkpoint import load_weights, resume_training, save_training, save_weights
-from common.config import require, require_at_least
+from common.checkpoint import (
+    fit_to_record,
+    load_weights,
+    read_record,
+    record_metadata,
+    resume_training,
+    save_training,
+    save_weights,
+)
+from common.config import RunConfig, UserError, require, require_at_least
 from common.data import crop_and_flip
 from common.determinism import set_deterministic
 from common.ema import EMA
-from common.export import export_onnx
+from common.export import OnnxModel, export_onnx
+from common.inference import predicted_classes, segment
 from common.progress import Progress
 from common.runtime import (
     accelerator_for,
@@ -52,18 +47,32 @@ from common.runtime import (
     sync_batchnorm,
 )
 from common.schedule import fit_schedule
+from common.segmentation_data import IGNORE, MODES, load_segmentation, value_count
 from common.signals import catch_stop_signals
+from common.tracking import image_panel
+from unet_data import Pairs, list_pairs, mask_values, parse_values  # ADAPT: your data
+from unet_model import MIN_SIZE, PAD_MULTIPLE, UNet  # ADAPT: your model
+from unet_predict import predict_batches, predict_files, sample_images, write_masks
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
 
 
 @dataclass
-class Config(PredictConfig):  # + the data, class and predict settings it inherits
+class Config(RunConfig):
     # Data. ADAPT: a folder with imgs/ and masks/ (imgs/NAME.jpg with masks/NAME.png or
     # masks/NAME_mask.gif, as Carvana), or a hub name / folder that datasets.load_dataset reads.
     dataset: str = "data/shapes"  # `make data/shapes` writes it (scripts/make_shapes.py)
+    val_fraction: float = 0.1  # imgs/ + masks/: share held out for validation, fixed for any seed
+    image_column: str = "image"  # datasets data: the column of images
+    mask_column: str = "mask"  # datasets data: the column of masks
+    train_split: str = "train"  # datasets data
+    val_split: str = "validation"  # datasets data
     output_dir: str = f"runs/{NAME}"  # config.yaml, metrics.jsonl, weights, checkpoints/
+    # Classes: a mask holds a grey level or palette index per class.
+    mask_values: str = ""  # mask values in class order, e.g. "0,255"; empty: the values found
+    num_classes: int = 0  # with background; 0: one per mask value; 1: a sigmoid, for 2 values
     # Model.
+    in_channels: int = 0  # of the model's input: 1 grey, 3 RGB, 4 RGBA; 0: the images' own
     base_channels: int = 64  # width of the first level, doubled at each of the 4 levels down
     bilinear: bool = False  # upsample by bilinear interpolation, not transposed convolutions
     sync_bn: bool = True  # BatchNorm statistics over all processes' batches (GPUs only)
@@ -73,6 +82,13 @@ class Config(PredictConfig):  # + the data, class and predict settings it inheri
     crop_size: int = 0  # training only: a random square crop after the resize; 0: no crop
     hflip: float = 0.5  # training only: probability of a horizontal flip
     vflip: float = 0.0  # training only: probability of a vertical flip
+    # Images of different sizes: train and evaluate each at its own size, in similar-size batches.
+    bucket_by_size: bool = False  # batches padded to their largest image, which loss and Dice skip
+    max_batch_pixels: int = 0  # bucket_by_size: padded pixels per batch; 0: batch_size x largest
+    # Decoding: once at start-up, into memory (a GPU's with CUDA), or at every read in workers.
+    cache_images: bool | None = None  # auto: decode once if images + masks take <= 4 GiB
+    cache_decoded: bool = True  # cache_images: keep the decoded tensors on disk for later runs
+    num_workers: int = -1  # DataLoader workers per process that decode (if not cached); -1: by CPUs
     # Training.
     epochs: int = 5
     batch_size: int = 8  # per process: the global batch is this x processes x accumulation steps
@@ -82,12 +98,18 @@ class Config(PredictConfig):  # + the data, class and predict settings it inheri
     scheduler: str = "cosine"  # cosine: to 0 at the last step; plateau: x0.1 after 5 flat evals
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
     seed: int = 0  # model init, data order and augmentation; same seed, same run
-    num_workers: int = -1  # DataLoader workers per process that decode (if not cached); -1: by CPUs
     log_every: int = 20  # optimizer steps between logged scalars; image panels at every eval
+    # Predict: write masks for new images with `weights`, whose file records the model settings.
+    predict: str | None = None  # an image file or glob
+    predict_dir: str | None = None  # where the NAME_mask.png go; default output_dir/predictions
+    overlay: bool = False  # also write NAME_overlay.png, the image with the classes painted on
+    # Predict and eval_only (and the evaluation of a training run): see common/inference.py.
+    predict_tile: int = 0  # run the model on overlapping tiles of this size, blended; 0: whole
+    predict_flip: bool = False  # average the logits of the image and its flips seen in training
 
     def validate(self):
         super().validate()
-        require_at_least(self, 0, "weight_decay", "grad_clip")
+        require_at_least(self, 0, "weight_decay", "grad_clip", "num_classes", "max_batch_pixels")
         require_at_least(self, 1, "base_channels")
         require(
             self.scheduler in ("cosine", "plateau"),
@@ -108,25 +130,86 @@ class Config(PredictConfig):  # + the data, class and predict settings it inheri
             "bucket_by_size trains on the images' own sizes: leave image_size, crop_size at 0",
         )
         require(
+            self.in_channels in (0, *MODES),
+            f"in_channels must be 0 (from the images), 1, 2, 3 or 4, got {self.in_channels}",
+        )
+        require(
+            0 < self.val_fraction < 1,
+            f"val_fraction must be between 0 and 1, got {self.val_fraction}",
+        )
+        if self.mask_values:
+            count = value_count(self.num_classes) if self.num_classes else None
+            given = parse_values(self.mask_values, "--mask_values")
+            require(
+                count in (None, len(given)),
+                f"mask_values needs one value per class ({count} for num_classes "
+                f"{self.num_classes}), got {self.mask_values!r}",
+            )
+        require(
             not self.predict_flip or self.eval_only or self.predict or self.hflip or self.vflip,
             "predict_flip averages over the flips of training: set hflip or vflip above 0",
         )
+        require(not self.predict or self.weights, "predict needs weights: add --weights FILE")
+        tile = self.predict_tile
+        require(
+            tile == 0 or (tile >= MIN_SIZE and tile % PAD_MULTIPLE == 0),
+            f"predict_tile must be 0 or a multiple of {PAD_MULTIPLE} from {MIN_SIZE} up (the "
+            f"U-Net halves a tile 4 times), got {tile}",
+        )
+        require(not (self.predict and self.eval_only), "choose one of predict and eval_only")
+        require(not (self.predict and self.export), "choose one of predict and export")
+        require(
+            self.predict or not str(self.weights).endswith(".onnx"),
+            "an .onnx file only predicts: train or evaluate from the .safetensors it was made from",
+        )
 
 
-# ADAPT: your model: the Config fields that build it, stored in the weights file for predict.
+# ADAPT: your model: the Config fields that build it, recorded in the weights file for predict.
 MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels", "bilinear")
+INFERRED = ("in_channels", "num_classes")  # 0: from the data, or from the weights file
+RECORD = "segmentation"  # the weights file's entry for predict: settings, classes, size, flips
 
 
 def build_model(settings):
     return UNet(**settings)
 
 
-# ADAPT: your input. input_channels: the model's for images of a PIL mode (grey 1, RGBA 4, else
-# RGB's 3); prepare_input: a uint8 batch [N, C, H, W] as floats (training, predict and export).
-def input_channels(mode):
-    return 1 if mode in ("1", "L", "I", "I;16", "F") else 4 if mode in ("RGBA", "LA", "PA") else 3
+def read_trained(path):
+    """The record of a weights file that this recipe wrote (record_metadata), or None for one
+    that holds none, such as a torch.save'd state_dict."""
+    record = read_record(path, RECORD) if path else None
+    if record is not None and not {"model", "mask_values", "input_size", "flips"} <= set(record):
+        raise UserError(
+            f"{path} was written by an older version of this recipe, which recorded less: train "
+            f"the model again to write it anew"
+        )
+    if record is not None and not set(MODEL_SETTINGS) <= set(record["model"]):
+        missing = sorted(set(MODEL_SETTINGS) - set(record["model"]))
+        raise UserError(
+            f"{path} records no {', '.join(missing)}: it was written by an older version of "
+            f"this recipe; train the model again to write it anew"
+        )
+    return record
 
 
+def trained_model(path, device="cpu"):
+    """(model, record) for predict and export: the model that the weights file's record
+    describes, with its weights, in eval mode; for an .onnx file, an onnxruntime session that
+    is called alike."""
+    record = read_trained(path)
+    if record is None:
+        raise UserError(
+            f"{path} holds no segmentation settings: predict and export need weights saved by "
+            f"this recipe"
+        )
+    if Path(path).suffix == ".onnx":
+        return OnnxModel(path), record
+    model = build_model(record["model"])
+    load_weights(model, path)
+    return model.to(device).eval(), record
+
+
+# ADAPT: your input: a uint8 batch [N, C, H, W] as floats (training, predict and export).
 def prepare_input(x, cfg):
     x = x.float() / 255
     return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
@@ -165,13 +248,57 @@ def dice_counts(logits, target, num_classes):
     return (pred & true).sum((2, 3)), pred.sum((2, 3)) + true.sum((2, 3))
 
 
+def load_data(cfg, accelerator, trained=None):
+    """The loaders, and what the data decides (classes, input size, channels): unet_data.py lists
+    and reads the pairs, common/segmentation_data.py does the rest (the scan of every mask on
+    all processes, decoding, augmentation's random numbers, bucketing). trained: the record of
+    --weights, whose mask values are the classes."""
+    train_pairs, val_pairs = (Pairs(listed) for listed in list_pairs(cfg))
+    return load_segmentation(
+        train_pairs,
+        val_pairs,
+        accelerator=accelerator,
+        values=mask_values(cfg, trained["mask_values"] if trained else None),
+        fixed="--mask_values" if cfg.mask_values else cfg.weights,
+        num_classes=cfg.num_classes,
+        in_channels=cfg.in_channels,
+        image_size=(cfg.image_size, cfg.image_size) if cfg.image_size else None,
+        bucket_by_size=cfg.bucket_by_size,
+        max_batch_pixels=cfg.max_batch_pixels,
+        cache_images=cfg.cache_images,
+        cache_decoded=cfg.cache_decoded,
+        batch_size=cfg.batch_size,
+        eval_batch_size=cfg.eval_batch_size,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+        pad_multiple=PAD_MULTIPLE,
+        min_size=max(MIN_SIZE, cfg.crop_size),
+    )
+
+
 def make_optimizer(model, lr, cfg, accelerator):
     """AdamW with fused kernels: one update for all the weights, not a Python loop over them. Not
     under fp16's scaler: a fused step always runs, so Accelerate could not tell a skipped one."""
     fused = accelerator.device.type in ("cpu", "cuda") and accelerator.scaler is None
     return torch.optim.AdamW(
-        model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=fused or None
-    )  # None, not False: torch's default kernels
+        model.parameters(),
+        lr=lr,
+        weight_decay=cfg.weight_decay,
+        fused=fused or None,  # None, not False: torch's default kernels
+    )
+
+
+def flips_to_average(cfg, trained):
+    """predict_flip: the flips of training ("h", "v", both) that segment() averages over; else
+    none. `trained`: those of this run's settings, or of the weights file it evaluates."""
+    if not cfg.predict_flip:
+        return ""
+    if not trained:
+        raise UserError(
+            "predict_flip averages over the flips of training, and this model was trained with "
+            "none (hflip and vflip 0): leave predict_flip off"
+        )
+    return trained
 
 
 # The settings that fix each process's batches: a mid-epoch checkpoint resumes only with these.
@@ -199,8 +326,11 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
     model.train()
     progress.start_epoch(len(loader))
     main_process = accelerator.is_main_process
-    for x, y in tqdm(loader, f"epoch {progress.epoch}", disable=not main_process, leave=False):
+    for x, y, rand in tqdm(
+        loader, f"epoch {progress.epoch}", disable=not main_process, leave=False
+    ):
         with accelerator.accumulate(model):
+            x, y = augment(x, y, rand, cfg)  # per sample, the same on any number of processes
             loss = loss_per_image(model(prepare_input(x, cfg)), y, cfg.num_classes).mean()
             accelerator.backward(progress.weighted(loss))  # a short last group weighs more
             if cfg.grad_clip and accelerator.sync_gradients:
@@ -229,8 +359,8 @@ def evaluate(model, loader, accelerator, cfg, flips, panels=False, ema=None):
     prepared loader pads the last batch and gather_for_metrics drops the padding. A bucketed one
     pads nothing, so ranks may get different numbers of batches: nothing may wait on other ranks
     per batch (the unwrapped model, as DDP syncs buffers in forward), and one reduce ends the
-    loop. `panels`: image | prediction | truth of a few images too. `flips`: see segment().
-    With ema (ema_decay), the moving average's results too: ema_dice, ..."""
+    loop. `panels`: image | prediction | truth of a few images too. `flips`: those to average
+    over (flips_to_average). With ema (ema_decay), the moving average's results too: ema_dice..."""
     bucketed = cfg.bucket_by_size
     # keep_torch_compile=False: the default takes DDP out of a compiled model (Accelerate 1.15).
     net = accelerator.unwrap_model(model, keep_torch_compile=False) if bucketed else model
@@ -240,7 +370,8 @@ def evaluate(model, loader, accelerator, cfg, flips, panels=False, ema=None):
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # dice, loss, images
     panel = None
     for x, y in loader:
-        logits = segment(net, prepare_input(x, cfg), cfg, flips)  # predict_tile, predict_flip
+        x_in = prepare_input(x, cfg)
+        logits = segment(net, x_in, tile=cfg.predict_tile, flips=flips, multiple=PAD_MULTIPLE)
         if panels and panel is None:
             panel = image_panel(x, logits, y, cfg.num_classes)
         counts = (
@@ -266,38 +397,63 @@ def evaluate(model, loader, accelerator, cfg, flips, panels=False, ema=None):
     return result, panel
 
 
+def predict(cfg, accelerator):
+    """A mask PNG per image of the --predict glob, at the image's size, in the training masks'
+    values (unet_predict.py); --overlay also paints the classes on the image. Each process
+    does a share."""
+    model, record = trained_model(cfg.weights, accelerator.device)
+    flips = flips_to_average(cfg, record["flips"])
+    out = Path(cfg.predict_dir or Path(cfg.output_dir) / "predictions")
+    out.mkdir(parents=True, exist_ok=True)
+    files = predict_files(cfg.predict)
+    batches = predict_batches(
+        files, record, cfg.eval_batch_size, accelerator, multiple=PAD_MULTIPLE
+    )
+    for paths, images, x in batches:
+        with torch.inference_mode(), accelerator.autocast():
+            x_in = prepare_input(x, cfg)
+            logits = segment(model, x_in, tile=cfg.predict_tile, flips=flips, multiple=PAD_MULTIPLE)
+        write_masks(paths, images, logits, record, out, overlay=cfg.overlay)
+    accelerator.wait_for_everyone()
+    values = ",".join(map(str, record["mask_values"]))
+    accelerator.print(f"wrote {len(files)} masks (values {values}) to {out}/")
+
+
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
     accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
     # No cudnn.benchmark with bucket_by_size: it would time every new (batch, height, width).
     set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)
-    if cfg.predict or cfg.export:  # modes of their own: no training, no run folder
-        if cfg.predict:  # unet_predict.py
-            predict(cfg, accelerator, build_model, partial(prepare_input, cfg=cfg))
-        else:  # common/export.py, checked on validation images, else on random pixels
-            model, weights = load_model(cfg, build_model)
-            images, what = sample_images(cfg, weights)
-            export_onnx(
-                accelerator,
-                model,
-                [prepare_input(x, cfg) for x in images],
-                cfg.weights,
-                {"recipe": NAME},
-                {0: "batch", 2: "height", 3: "width"},
-                what,
-            )  # any size
+    if cfg.predict:  # a mode of its own: no training, no run folder
+        predict(cfg, accelerator)
+        return close(accelerator)
+    if cfg.export:  # common/export.py, checked on validation images, else on random pixels
+        model, record = trained_model(cfg.weights)
+        images, what = sample_images(cfg, record, multiple=PAD_MULTIPLE)
+        export_onnx(
+            accelerator,
+            model,
+            [prepare_input(x, cfg) for x in images],
+            cfg.weights,
+            {"recipe": NAME},
+            {0: "batch", 2: "height", 3: "width"},  # any size
+            what,
+        )
         return close(accelerator)
     out, checkpoint = open_run(accelerator, cfg)
 
     # 2. Data: each process checks a share of the masks; a bad one stops every rank alike.
-    weights = SegmentationWeights.read(cfg.weights) if cfg.weights else None
-    cfg = fit_to_weights(cfg, weights, MODEL_SETTINGS)
+    trained = read_trained(cfg.weights)  # --weights: its classes and model settings
+    if trained:
+        cfg = fit_to_record(
+            cfg, trained["model"], MODEL_SETTINGS, path=cfg.weights, inferred=INFERRED
+        )
     trained_flips = "h" * (cfg.hflip > 0) + "v" * (cfg.vflip > 0)  # what predict_flip may flip
-    flips = weights.flips if weights and cfg.eval_only else trained_flips
-    data = load_data(cfg, accelerator, input_channels, partial(augment, cfg=cfg), weights)
+    flips = flips_to_average(cfg, trained["flips"] if trained and cfg.eval_only else trained_flips)
+    data = load_data(cfg, accelerator, trained)
     # What the data, weights and device decide, resolved before config.yaml records the settings.
-    # channels_last auto: on with CUDA; off on CPUs, where it measured 1.00x.
+    # channels_last auto: on with CUDA, off on CPUs (docs/performance.md).
     auto = cfg.channels_last is None
     cfg = replace(
         cfg,
@@ -327,14 +483,14 @@ def main(cfg):
         )
     ema = EMA.of(model, accelerator, cfg.ema_decay)  # the weights' moving average; None if 0
     scheduler = (
-        CosineAnnealingLR(optimizer, T_max=1)
+        CosineAnnealingLR(optimizer, T_max=1)  # T_max: fit_schedule() below
         if cfg.scheduler == "cosine"
         else ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5)
-    )  # T_max: below
+    )
     adamw = f"{'fused ' * bool(optimizer.defaults['fused'])}AdamW lr {optimizer.defaults['lr']:g}"
     accelerator.print(
-        f"{NAME}: {describe(accelerator, data.batch)}; {MODES[cfg.in_channels]} "
-        f"images; {adamw}; {norm}; {channels}; {data}; outputs to {out}/"
+        f"{NAME}: {describe(accelerator, data.batch)}; {MODES[cfg.in_channels]} images; {adamw}; "
+        f"{norm}; {channels}; {data}; outputs to {out}/"
     )
 
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
@@ -351,8 +507,13 @@ def main(cfg):
             mask_values=data.values,
         )
     fit_schedule(scheduler, cfg, progress, len(train_loader), checkpoint)  # common/schedule.py
-    stored = SegmentationWeights(settings, data.values, data.input_size, flips)  # for predict
-    stored = stored.metadata(recipe=NAME)
+    record = {
+        "model": settings,
+        "mask_values": data.values,
+        "input_size": data.input_size,
+        "flips": trained_flips,
+    }  # what predict needs (trained_model)
+    stored = record_metadata(RECORD, record, recipe=NAME)
 
     # 5. Train, evaluating after every epoch.
     result = None

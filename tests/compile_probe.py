@@ -16,7 +16,6 @@ from accelerate.utils import is_compiled_module
 from recipe_module import load_recipe  # first: it puts the repository on sys.path
 from safetensors import safe_open
 from torch.nn.parallel import DistributedDataParallel
-from unet_data import load_data
 
 from common.checkpoint import save_weights
 from common.runtime import build_accelerator, close
@@ -35,7 +34,7 @@ cfg = unet.Config(
     num_workers=0,
 )
 accelerator = build_accelerator()
-val_loader = load_data(cfg, accelerator, unet.input_channels).val_loader
+val_loader = unet.load_data(cfg, accelerator).val_loader
 model = unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS})
 optimizer = torch.optim.AdamW(model.parameters())
 model, optimizer = accelerator.prepare(model, optimizer)

@@ -1,5 +1,5 @@
 """Launched by test_gpu.py on one GPU: does fetching a training batch ever make Python wait for
-the GPU?
+the GPU? For the U-Net, its augmentation of each batch too (crop and flips, per sample).
 
 A blocking copy from the CPU to the GPU (or an .item()) waits until the GPU has run all the work
 queued before it, so the GPU then idles while the next batch is fetched. With
@@ -9,13 +9,11 @@ own, prepared as their main() prepares them.
     python tests/sync_probe.py MNIST_DIR SHAPES_DIR
 """
 
-import functools
 import itertools
 import sys
 
 import torch
 from recipe_module import load_recipe  # first: it puts the repository on sys.path
-from unet_data import load_data
 
 from common.runtime import build_accelerator, close
 
@@ -35,13 +33,13 @@ for bucketed, cache in itertools.product((False, True), (True, False)):
     cfg = unet.Config(
         dataset=shapes_dir,
         batch_size=4,
+        crop_size=32,
         num_workers=2,
         bucket_by_size=bucketed,
         cache_images=cache,
         vflip=0.5,
     )
-    augment = functools.partial(unet.augment, cfg=cfg)
-    data = load_data(cfg, accelerator, unet.input_channels, augment)
+    data = unet.load_data(cfg, accelerator)
     # Bucketed loaders are sharded and placed by common/sampler.py; the others go through prepare().
     train_loader = data.train_loader if bucketed else accelerator.prepare(data.train_loader)
     loaders[f"unet cache_images {cache}" + " bucket_by_size" * bucketed] = train_loader
@@ -52,6 +50,8 @@ for name, loader in loaders.items():
         torch.cuda.set_sync_debug_mode("error")
         try:
             batches = [batch for batch in loader]
+            if name.startswith("unet"):  # as train_one_epoch augments them
+                batches = [unet.augment(*batch, cfg) for batch in batches]
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert all(t.device.type == "cuda" for batch in batches for t in batch), name

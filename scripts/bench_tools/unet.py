@@ -1,8 +1,8 @@
 """The U-Net variants, each built from recipes/unet.py (its Config, model, make_optimizer, loss,
-augmentation and train_one_epoch) and recipes/unet_data.py (load_data); and its loader alone."""
+augmentation, load_data and train_one_epoch) and recipes/unet_data.py (list_pairs); and its
+loader alone."""
 
 import dataclasses
-import functools
 import itertools
 import math
 import shlex
@@ -16,7 +16,6 @@ from accelerate.utils import set_seed
 from PIL import Image
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 from torch.utils.data import DataLoader, Dataset
-from unet_data import load_data, open_sources
 
 from bench_tools import load_recipe, recipe_config
 from bench_tools.flops import flops_per_sample
@@ -25,6 +24,7 @@ from common.data import worker_count
 from common.determinism import set_deterministic
 from common.progress import Progress
 from common.schedule import fit_cosine
+from unet_data import list_pairs
 
 
 class ClassicSegmentation(Dataset):
@@ -82,11 +82,10 @@ def bench_unet(args, accelerator):
             f"classic loop opens the files), not {cfg.dataset}"
         )
     # The recipe's own data path, as its main() builds it on one process.
-    augment = functools.partial(unet.augment, cfg=cfg)
-    data = load_data(cfg, accelerator, unet.input_channels, augment)
+    data = unet.load_data(cfg, accelerator)
     cfg = dataclasses.replace(cfg, num_classes=data.num_classes, in_channels=data.in_channels)
     train_loader, values = data.train_loader, data.values
-    train_source, _ = open_sources(cfg)  # the image and mask files, for the classic loop
+    train_source, _ = list_pairs(cfg)  # the image and mask files, for the classic loop
     workers = worker_count(cfg.num_workers, 1)  # the recipe's when it does not cache
     train_set = train_loader.dataset
     epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset)
@@ -138,9 +137,9 @@ def bench_unet(args, accelerator):
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(cfg.seed))
         batches, start = [], 0
         for n in sizes:  # the recipe's samples, flips included, as float images on the device
-            pairs = [train_set[i] for i in order[start : start + n].tolist()]
+            x, y, rand = train_set.__getitems__(order[start : start + n].tolist())
+            x, y = unet.augment(x, y, rand, cfg)
             start += n
-            x, y = (torch.stack(t) for t in zip(*pairs))
             batches.append((unet.prepare_input(x.to(device), cfg), y.to(device)))
         return bound_rep(model, batches, lambda x, y: step(model, optimizer, x, y))
 
@@ -164,7 +163,8 @@ def bench_unet(args, accelerator):
 
         return setup
 
-    x, y = train_set[0]  # a training sample as the model sees it: resized and cropped
+    x, y = unet.augment(*train_set.__getitems__([0]), cfg)  # as the model sees it: resized, cropped
+    x, y = x[0], y[0]
     preset = ["--config", args.config] if args.config else []
     info = {
         "dataset": cfg.dataset,
@@ -184,7 +184,7 @@ def bench_unet(args, accelerator):
         "optimizer": f"AdamW(lr={lr:g}, weight_decay={cfg.weight_decay}), gradient norm clipped "
         f"to {cfg.grad_clip}, scheduler {cfg.scheduler}; recipe and bound: "
         f"make_optimizer (fused kernels, except under fp16); classic: foreach kernels",
-        "recipe_loop": f"recipes/unet_data.py load_data ({data.reading}) + recipes/unet.py "
+        "recipe_loop": f"recipes/unet.py load_data ({data.reading}) + recipes/unet.py "
         f"train_one_epoch",
         "startup_cmd": [
             sys.executable,
@@ -233,8 +233,7 @@ def bench_loader(args, accelerator):
     def setup(flags):
         cfg = recipe_config(unet, args, *shlex.split(flags))
         start = time.perf_counter()
-        augment = functools.partial(unet.augment, cfg=cfg)
-        data = load_data(cfg, accelerator, unet.input_channels, augment)
+        data = unet.load_data(cfg, accelerator)
         loader = accelerator.prepare(data.train_loader)
         epochs = itertools.count()
 
