@@ -1,4 +1,4 @@
-"""MNIST's decoded images are kept in the datasets cache (common.data.cached_tensors): a second run
+"""MNIST's decoded images are kept in the datasets cache (common.cache.cached_tensors): a second run
 reads them instead of decoding, changed data files are decoded anew, a damaged file is rewritten."""
 
 import shutil
@@ -11,7 +11,8 @@ from recipe_module import load_recipe
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from common.data import cached_tensors, load_splits
+from common.cache import cached_tensors
+from common.data import load_splits
 
 RECIPE = "recipes/mnist.py"
 
@@ -86,17 +87,17 @@ def test_changed_data_files_are_decoded_anew(tiny_mnist, tmp_path, monkeypatch):
     data = shutil.copytree(tiny_mnist, tmp_path / "data")
     train = load_splits(str(data), ["train"], ["label"])["train"]
     decoder = Decoder(train)
-    x, y = cached_tensors(train, ["label"], decoder)
+    x, y = cached_tensors([train._fingerprint, "label"], decoder)
     assert decoder.calls == 1 and len(y) == N_TRAIN
-    assert (
-        torch.equal(cached_tensors(train, ["label"], decoder)[1], y) and decoder.calls == 1
-    )  # read
-    cached_tensors(train, ["other", "columns"], decoder)  # another key: made again
+    again = cached_tensors([train._fingerprint, "label"], decoder)
+    assert torch.equal(again[1], y) and decoder.calls == 1  # read
+    cached_tensors([train._fingerprint, "other", "columns"], decoder)  # another key: made again
     assert decoder.calls == 2
     pq.write_table(pq.read_table(data / "train.parquet").slice(0, 200), data / "train.parquet")
     changed = load_splits(str(data), ["train"], ["label"])["train"]
     decoder = Decoder(changed)
-    assert len(cached_tensors(changed, ["label"], decoder)[1]) == 200 and decoder.calls == 1
+    assert len(cached_tensors([changed._fingerprint, "label"], decoder)[1]) == 200
+    assert decoder.calls == 1
     assert len(list((tmp_path / "cache" / "decoded").iterdir())) == 3  # and no temporary file left
 
 
@@ -109,15 +110,16 @@ def test_a_damaged_cache_file_is_made_again_and_rewritten(
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     train = load_splits(str(tiny_mnist), ["train"], ["label"])["train"]
     decoder = Decoder(train)
-    x, y = cached_tensors(train, ["label"], decoder)
+    key = [train._fingerprint, "label"]
+    x, y = cached_tensors(key, decoder)
     (path,) = (tmp_path / "cache" / "decoded").iterdir()
     size = path.stat().st_size
     path.write_bytes(path.read_bytes()[: size // 2] if damage == "truncate" else b"")
-    again = cached_tensors(train, ["label"], decoder)
+    again = cached_tensors(key, decoder)
     assert decoder.calls == 2 and torch.equal(again[0], x) and torch.equal(again[1], y)
     assert f"warning: cannot read cache file {path} (" in capsys.readouterr().err
     assert path.stat().st_size == size  # whole again: the next call reads it
-    assert torch.equal(cached_tensors(train, ["label"], decoder)[1], y) and decoder.calls == 2
+    assert torch.equal(cached_tensors(key, decoder)[1], y) and decoder.calls == 2
 
 
 def test_cache_decoded_false_writes_no_file(tiny_mnist, tmp_path, monkeypatch):
