@@ -117,9 +117,10 @@ def to_tensors(split, cfg, name, device):
         x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None]
         return x, class_labels(split, cfg.label_column, 10, f"{name} split")
 
-    # What fixes the tensors: the files (the split's fingerprint), the recipe and the columns.
-    key = [split._fingerprint, NAME, cfg.image_column, cfg.label_column]
-    x, y = cached_tensors(key, decode, enabled=cfg.cache_decoded)  # decoded once (cache_decoded)
+    # Decoded once (common/cache.py): later runs read the tensors from the datasets cache until
+    # the data files, the columns or the decoding code (decode() and what it calls) change.
+    key = [split._fingerprint, cfg.image_column, cfg.label_column]
+    x, y = cached_tensors(key, decode, enabled=cfg.cache_decoded)
     return TensorBatches(x.to(device), y.to(device))
 
 
