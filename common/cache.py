@@ -71,7 +71,8 @@ def cached_tensors(key, make, *, code=(), enabled=True):
         save_file({str(i): t.contiguous() for i, t in enumerate(tensors)}, tmp, {"key": name})
         os.replace(tmp, path)
     except (OSError, SafetensorError) as e:  # a full disk or a read-only cache: run on without
-        tmp.unlink(missing_ok=True)
+        if tmp.exists():  # written in part (exists() is False where `decoded` is no folder)
+            tmp.unlink()
         print(
             f"warning: cannot write cache file {path} ({_first_line(e)}): decoding again next run",
             file=sys.stderr,

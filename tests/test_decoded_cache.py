@@ -182,6 +182,21 @@ def test_cache_decoded_false_writes_no_file(tiny_mnist, tmp_path, monkeypatch):
     assert len(list((tmp_path / "cache" / "decoded").iterdir())) == 2
 
 
+@pytest.mark.slow
+def test_a_cache_that_cannot_be_written_warns_and_runs_on(tmp_path, monkeypatch, capsys):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "decoded").write_text("a file where the folder would be")
+    (x,) = cached_tensors(["any"], lambda: (torch.arange(5, dtype=torch.uint8),))
+    assert torch.equal(x, torch.arange(5, dtype=torch.uint8))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("warning: cannot write cache file ")
+    assert line.endswith("): decoding again next run")
+    assert list((tmp_path / "cache").iterdir()) == [tmp_path / "cache" / "decoded"]
+
+
 # ---- the code in the key: what the fingerprint follows ----
 
 HELPERS = """
