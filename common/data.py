@@ -5,7 +5,6 @@
     splits = load_splits("data/mnist_sample", ["train", "test"], columns=["image", "label"])
     images = decode_images(splits["train"], "image", "train split")  # PIL images, or a DataError
     labels = class_labels(splits["train"], "label", 10, "train split")   # int64, checked
-    x, y = cached_tensors(splits["train"], ["image", "label"], decode)  # decode() once, then a file
     require_one_batch_per_process(len(train_set), batch_size, accelerator, "the train split")
     workers = worker_count(-1, accelerator.num_processes)  # DataLoader workers: 1 a core, <= 8
     loader = seeded_loader(train_set, 64, True, seed, workers)  # for prepare() to shard
@@ -22,12 +21,9 @@ the hub: a mistyped path says that it does not exist. A data file that does not 
 (truncated, not parquet) or an image that does not decode is named in the error.
 """
 
-import hashlib
-import json
 import os
 import socket
 import sys
-import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -219,55 +215,6 @@ def decode_images(split, column, where):
             what = path if data is None and path else f"row {i}" + (f" ({path})" if path else "")
             raise DataError(f"{where}: {unreadable_image(what, e)}") from None
     return images
-
-
-CACHE_FORMAT = 1  # part of every cache key: raise it when what cached_tensors stores changes
-
-
-def cached_tensors(split, key, make, enabled=True):
-    """The tuple of tensors that make() computes from a datasets split, made once: later runs
-    read them from a file under the datasets cache (HF_DATASETS_CACHE/decoded/). The file is
-    keyed by the split's fingerprint, which datasets derives from the data files (their names
-    and modification times, or the hub revision), and by `key` (a JSON-able value: whatever
-    else shapes the tensors, such as the columns read). It is written atomically, a temporary
-    file then os.replace, so no process ever reads half a file; one that does not read is made
-    again and replaced, with a warning. enabled=False: make() every time, no file."""
-    if not enabled:
-        return make()
-    import datasets
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import save_file
-
-    name = json.dumps([CACHE_FORMAT, split._fingerprint, key])
-    path = Path(
-        datasets.config.HF_DATASETS_CACHE,
-        "decoded",
-        hashlib.sha256(name.encode()).hexdigest()[:32] + ".safetensors",
-    )
-    if path.exists():
-        try:
-            with safe_open(path, "pt") as file:
-                if file.metadata() == {"key": name}:  # else another key of that name: as if none
-                    return tuple(file.get_tensor(str(i)) for i in range(len(file.keys())))
-            problem = "made for other data"
-        except (OSError, SafetensorError) as e:  # truncated or damaged
-            problem = _first_line(e)
-        print(
-            f"warning: cannot read cache file {path} ({problem}): writing it again", file=sys.stderr
-        )
-    tensors = make()
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # unique: ranks write at once
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({str(i): t.contiguous() for i, t in enumerate(tensors)}, tmp, {"key": name})
-        os.replace(tmp, path)
-    except (OSError, SafetensorError) as e:  # a full disk or a read-only cache: run on without
-        tmp.unlink(missing_ok=True)
-        print(
-            f"warning: cannot write cache file {path} ({_first_line(e)}): decoding again next run",
-            file=sys.stderr,
-        )
-    return tensors
 
 
 def require_one_batch_per_process(samples, batch_size, accelerator, what):

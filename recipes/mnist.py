@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from common.cache import cached_tensors
 from common.checkpoint import load_weights, resume_training, save_training, save_weights
 from common.config import RunConfig, UserError, require, require_at_least
 from common.data import (
     DataError,
     TensorBatches,
-    cached_tensors,
     class_labels,
     decode_images,
     load_splits,
@@ -117,8 +117,10 @@ def to_tensors(split, cfg, name, device):
         x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None]
         return x, class_labels(split, cfg.label_column, 10, f"{name} split")
 
-    key = [NAME, cfg.image_column, cfg.label_column]  # what, besides the files, fixes the tensors
-    x, y = cached_tensors(split, key, decode, cfg.cache_decoded)  # decoded once (cache_decoded)
+    # Decoded once (common/cache.py): later runs read the tensors from the datasets cache until
+    # the data files, the columns or the decoding code (decode() and what it calls) change.
+    key = [split._fingerprint, cfg.image_column, cfg.label_column]
+    x, y = cached_tensors(key, decode, enabled=cfg.cache_decoded)
     return TensorBatches(x.to(device), y.to(device))
 
 
