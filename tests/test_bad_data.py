@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from conftest import REPO, assert_ok, launch
 from PIL import Image
-from recipe_module import load_recipe
 from unet_data import open_sources
 
 from common.data import DataError
@@ -191,31 +190,6 @@ def test_a_mistyped_local_path_says_it_does_not_exist(tmp_path):
 
 
 # ---- U-Net: imgs/ + masks/ ----
-
-
-@pytest.fixture(scope="module")
-def unet():
-    return load_recipe("unet")
-
-
-@pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shapes")
-    subprocess.run(
-        [
-            sys.executable,
-            REPO / "scripts" / "make_shapes.py",
-            "--out",
-            root,
-            "--count",
-            "20",
-            "--size",
-            "48",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return root
 
 
 def pair(unet, root, index, which):

@@ -6,8 +6,6 @@ import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -16,9 +14,23 @@ import pytest
 import torch
 import unet_data
 import yaml
-from conftest import REPO, assert_ok, compile_config, launch, read_metrics
+from conftest import (
+    FAST,
+    LR,
+    N_IMAGES,
+    N_MIXED_VAL,
+    N_VAL,
+    ONE_THREAD,
+    REPO,
+    SIZE,
+    VAL_FRACTION,
+    VALUES,
+    assert_ok,
+    compile_config,
+    launch,
+    read_metrics,
+)
 from PIL import Image
-from recipe_module import load_recipe
 from safetensors import safe_open
 from unet_data import IGNORE, open_sources
 from unet_predict import SegmentationWeights
@@ -28,60 +40,7 @@ from common.data import DataError, crop_and_flip
 from common.schedule import fit_cosine
 
 RECIPE = "recipes/unet.py"
-N_IMAGES, SIZE, VAL_FRACTION = 73, 48, 0.2
-# int(73 * 0.2): not a multiple of 2 processes x eval_batch_size 4, so the last batch is padded.
-N_VAL = 14
-N_TRAIN = N_IMAGES - N_VAL
-VALUES = {0, 85, 170, 255}  # make_shapes.py: background, circle, rectangle, triangle
-# Small and quick on a CPU, and wide enough (16) that every seed tried learns every class in 10
-# epochs. One thread: on 2 cores a second one slows convolutions this small down several times.
-LR = 3e-3
-FAST = [
-    "--base_channels",
-    16,
-    "--lr",
-    LR,
-    "--val_fraction",
-    VAL_FRACTION,
-    "--num_workers",
-    0,
-    "--eval_batch_size",
-    4,
-]
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-
-
-@pytest.fixture(scope="session")
-def shapes(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shapes")
-    subprocess.run(
-        [
-            sys.executable,
-            REPO / "scripts" / "make_shapes.py",
-            "--out",
-            root,
-            "--count",
-            str(N_IMAGES),
-            "--size",
-            str(SIZE),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return root
-
-
-@pytest.fixture(scope="module")
-def trained(shapes, tmp_path_factory):
-    """One single-process `python recipes/unet.py` run; later tests use its weights."""
-    out = tmp_path_factory.mktemp("unet_1p")
-    res = launch(
-        [RECIPE, "--dataset", shapes, "--output_dir", out, "--epochs", 10, *FAST],
-        launcher="python",
-        env=ONE_THREAD,
-    )
-    assert_ok(res)
-    return out, res
+N_TRAIN = N_IMAGES - N_VAL  # the training images of `shapes`
 
 
 def all_background_dice(mask_dir):
@@ -91,8 +50,8 @@ def all_background_dice(mask_dir):
 
 
 @pytest.mark.slow
-def test_single_process_learns_and_writes_the_output_contract(trained, shapes):
-    out, res = trained
+def test_single_process_learns_and_writes_the_output_contract(trained_unet, shapes):
+    out, res = trained_unet
     rows = read_metrics(out)
     assert [r["epoch"] for r in rows] == list(range(1, 11))
     assert {
@@ -260,8 +219,8 @@ def test_two_gpus_use_syncbatchnorm(shapes, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_is_the_same_on_one_and_two_processes(trained, shapes, tmp_path):
-    weights = trained[0] / "model.safetensors"
+def test_eval_is_the_same_on_one_and_two_processes(trained_unet, shapes, tmp_path):
+    weights = trained_unet[0] / "model.safetensors"
     results = {}
     for nproc in (1, 2):
         out = tmp_path / f"eval{nproc}"
@@ -283,13 +242,13 @@ def test_eval_is_the_same_on_one_and_two_processes(trained, shapes, tmp_path):
         assert_ok(res)
         (results[nproc],) = read_metrics(out)
     assert results[1]["eval_samples"] == results[2]["eval_samples"] == N_VAL
-    assert results[1]["dice"] == pytest.approx(read_metrics(trained[0])[-1]["dice"], abs=1e-6)
+    assert results[1]["dice"] == pytest.approx(read_metrics(trained_unet[0])[-1]["dice"], abs=1e-6)
     # The batches differ, not the images.
     assert results[2]["dice"] == pytest.approx(results[1]["dice"], abs=1e-3)
 
 
 @pytest.mark.slow
-def test_predict_writes_masks_at_the_original_size_in_mask_values(trained, shapes, tmp_path):
+def test_predict_writes_masks_at_the_original_size_in_mask_values(trained_unet, shapes, tmp_path):
     inputs = tmp_path / "in"
     inputs.mkdir()
     Image.open(shapes / "imgs" / "shape_0001.png").resize((61, 37)).save(inputs / "a.png")
@@ -304,7 +263,7 @@ def test_predict_writes_masks_at_the_original_size_in_mask_values(trained, shape
             "--predict",
             f"{inputs}/*",
             "--weights",
-            trained[0] / "model.safetensors",
+            trained_unet[0] / "model.safetensors",
             "--predict_dir",
             tmp_path / "out",
             "--overlay",
@@ -324,12 +283,6 @@ def test_predict_writes_masks_at_the_original_size_in_mask_values(trained, shape
     pred = np.asarray(Image.open(tmp_path / "out" / "d_mask.png"))
     true = np.asarray(Image.open(shapes / "masks" / "shape_0000_mask.png"))
     assert (pred == true).mean() > 0.9 and (pred[true > 0] > 0).mean() > 0.5
-
-
-@pytest.fixture(scope="module")
-def unet():
-    """The recipe as a module, for its Config and data functions."""
-    return load_recipe("unet")
 
 
 def copy_with_a_bad_mask(shapes, unet, root, change):
@@ -430,14 +383,14 @@ def test_an_odd_mask_value_found_by_inference_is_named(bad_shapes, unet):
 
 
 @pytest.mark.slow
-def test_weights_saved_with_one_key_per_setting_say_to_train_again(trained, shapes, tmp_path):
+def test_weights_saved_with_one_key_per_setting_say_to_train_again(trained_unet, shapes, tmp_path):
     # The metadata of weights files written before the settings became one JSON entry, which
     # predict no longer reads: one line that says so, not a traceback or a wrong model.
     from safetensors.torch import load_file, save_file
 
     old = tmp_path / "old.safetensors"
     save_file(
-        load_file(trained[0] / "model.safetensors"),
+        load_file(trained_unet[0] / "model.safetensors"),
         old,
         metadata={
             "recipe": "unet",
@@ -570,10 +523,10 @@ def test_images_of_different_channels_say_which_and_what_to_set(unet, shapes, tm
 
 
 @pytest.mark.slow
-def test_weights_written_before_in_channels_was_stored_take_rgb(trained, shapes, tmp_path):
+def test_weights_written_before_in_channels_was_stored_take_rgb(trained_unet, shapes, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    weights = trained[0] / "model.safetensors"
+    weights = trained_unet[0] / "model.safetensors"
     stored = json.loads(SegmentationWeights.read(weights).metadata()["segmentation"])
     del stored["model"]["in_channels"]
     old = tmp_path / "old.safetensors"
@@ -654,7 +607,7 @@ def test_binary_masks_from_a_datasets_folder(shapes, tmp_path):
 
 
 @pytest.mark.slow
-def test_weights_that_do_not_fit_say_why_in_one_short_line(trained, unet, tmp_path):
+def test_weights_that_do_not_fit_say_why_in_one_short_line(trained_unet, unet, tmp_path):
     # What main() calls with --weights, before and after the data; the launch of
     # test_weights_saved_with_one_key_per_setting_say_to_train_again shows such a line printed.
     from safetensors.torch import save_file
@@ -663,7 +616,7 @@ def test_weights_that_do_not_fit_say_why_in_one_short_line(trained, unet, tmp_pa
     from common.checkpoint import load_weights
     from common.config import UserError
 
-    weights = trained[0] / "model.safetensors"
+    weights = trained_unet[0] / "model.safetensors"
     cfg = unet.Config(weights=str(weights))  # base_channels 64, the default
     with pytest.raises(UserError) as e:
         fit_to_weights(cfg, SegmentationWeights.read(weights), unet.MODEL_SETTINGS)
@@ -842,31 +795,6 @@ def test_crop_and_flip_crop_and_flip_each_image_and_its_mask_alike():
         expected = window.flip(flips) if flips else window
         assert torch.equal(x[n], expected) and torch.equal(y[n], expected[0] * 10), n
     assert crop_and_flip(images, masks, rand) == (images, masks)  # nothing to do
-
-
-# bucket_by_size: images of different sizes, each trained and evaluated at its own size.
-N_MIXED, MIXED_SIZES = 40, "40,64,96"  # make_shapes.py --sizes: each height and width is one
-N_MIXED_VAL = int(N_MIXED * VAL_FRACTION)
-
-
-@pytest.fixture(scope="session")
-def mixed_shapes(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mixed_shapes")
-    subprocess.run(
-        [
-            sys.executable,
-            REPO / "scripts" / "make_shapes.py",
-            "--out",
-            root,
-            "--count",
-            str(N_MIXED),
-            "--sizes",
-            MIXED_SIZES,
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return root
 
 
 @pytest.mark.slow
