@@ -2,6 +2,7 @@
 recipes exactly as users do (python, accelerate launch, torchrun) in a subprocess."""
 
 import contextlib
+import difflib
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -132,6 +134,42 @@ def make_shapes(root, count, size):
         capture_output=True,
     )
     return root
+
+
+TINY_MODEL = """
+class TinyNet(nn.Module):  # the user's own model
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(28 * 28, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(x, 1))
+
+"""
+
+
+@contextlib.contextmanager
+def copy_with_tiny_model():
+    """recipes/mnist.py copied as README "Make your own recipe" says, with BasicNet swapped for
+    TinyNet: the copy's path, deleted on leaving."""
+    original = (REPO / "recipes" / "mnist.py").read_text()
+    assert original.count("model = BasicNet()") == 1
+    source = original.replace("# ADAPT: your model.", TINY_MODEL + "# ADAPT: your model.")
+    source = source.replace("model = BasicNet()", "model = TinyNet()")
+    # One line of the recipe changes, besides the model added (README: Make your own recipe).
+    assert (
+        sum(
+            line.startswith("- ")
+            for line in difflib.ndiff(original.splitlines(), source.splitlines())
+        )
+        == 1
+    )
+    copy = REPO / "recipes" / f"my_recipe_{uuid.uuid4().hex[:8]}.py"
+    copy.write_text(source)
+    try:
+        yield copy
+    finally:
+        copy.unlink()
 
 
 def compile_config(tmp_path, base="2gpu.yaml"):
