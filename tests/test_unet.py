@@ -246,44 +246,6 @@ def test_eval_is_the_same_on_one_and_two_processes(trained_unet, shapes, tmp_pat
     assert results[2]["dice"] == pytest.approx(results[1]["dice"], abs=1e-3)
 
 
-@pytest.mark.slow
-def test_predict_writes_masks_at_the_original_size_in_mask_values(trained_unet, shapes, tmp_path):
-    inputs = tmp_path / "in"
-    inputs.mkdir()
-    Image.open(shapes / "imgs" / "shape_0001.png").resize((61, 37)).save(inputs / "a.png")
-    grey = Image.open(shapes / "imgs" / "shape_0002.png").resize((100, 80)).convert("L")
-    grey.save(inputs / "b.png")
-    Image.open(shapes / "imgs" / "shape_0003.png").save(inputs / "c.jpg")
-    shutil.copy(shapes / "imgs" / "shape_0000.png", inputs / "d.png")
-    sizes = {"a": (61, 37), "b": (100, 80), "c": (SIZE, SIZE), "d": (SIZE, SIZE)}
-    res = launch(
-        [
-            RECIPE,
-            "--predict",
-            f"{inputs}/*",
-            "--weights",
-            trained_unet[0] / "model.safetensors",
-            "--predict_dir",
-            tmp_path / "out",
-            "--overlay",
-            "--eval_batch_size",
-            3,
-        ],
-        nproc=2,
-    )
-    assert_ok(res)
-    assert "wrote 4 masks" in res.output
-    for name, size in sizes.items():
-        mask = Image.open(tmp_path / "out" / f"{name}_mask.png")
-        assert mask.size == size and mask.mode == "L"
-        assert set(np.unique(np.asarray(mask)).tolist()) <= VALUES
-        assert Image.open(tmp_path / "out" / f"{name}_overlay.png").size == size
-    # On an image from the data, the mask must be close to the true one, in the same values.
-    pred = np.asarray(Image.open(tmp_path / "out" / "d_mask.png"))
-    true = np.asarray(Image.open(shapes / "masks" / "shape_0000_mask.png"))
-    assert (pred == true).mean() > 0.9 and (pred[true > 0] > 0).mean() > 0.5
-
-
 def copy_with_a_bad_mask(shapes, unet, root, change):
     """A copy of the data where change() alters the mask that the second process reads first."""
     shutil.copytree(shapes, root)
@@ -379,43 +341,6 @@ def test_an_odd_mask_value_found_by_inference_is_named(bad_shapes, unet):
     error = data_error(unet, dataset=str(root), num_classes=4)
     assert "the masks hold 5 values (0,7,85,170,255) where num_classes 4 expects 4" in error
     assert f"the rarest, 7, is in 1 mask(s), such as {bad}" in error
-
-
-@pytest.mark.slow
-def test_weights_saved_with_one_key_per_setting_say_to_train_again(trained_unet, shapes, tmp_path):
-    # The metadata of weights files written before the settings became one JSON entry, which
-    # predict no longer reads: one line that says so, not a traceback or a wrong model.
-    from safetensors.torch import load_file, save_file
-
-    old = tmp_path / "old.safetensors"
-    save_file(
-        load_file(trained_unet[0] / "model.safetensors"),
-        old,
-        metadata={
-            "recipe": "unet",
-            "mask_values": "0,85,170,255",
-            "num_classes": "4",
-            "base_channels": "16",
-            "bilinear": "False",
-            "input_size": f"{SIZE},{SIZE}",
-        },
-    )
-    res = launch(
-        [
-            RECIPE,
-            "--predict",
-            shapes / "imgs" / "shape_0000.png",
-            "--weights",
-            old,
-            "--predict_dir",
-            tmp_path,
-        ],
-        launcher="python",
-    )
-    assert res.returncode == 2 and res.output.strip().splitlines() == [
-        f"error: {old} stores its settings one key each, an old format that this recipe no "
-        f"longer reads: train the model again to save it anew"
-    ], res
 
 
 def recoloured(shapes, root, mode, count=None):
@@ -522,25 +447,6 @@ def test_images_of_different_channels_say_which_and_what_to_set(unet, shapes, tm
 
 
 @pytest.mark.slow
-def test_weights_written_before_in_channels_was_stored_take_rgb(trained_unet, shapes, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    weights = trained_unet[0] / "model.safetensors"
-    stored = json.loads(SegmentationWeights.read(weights).metadata()["segmentation"])
-    del stored["model"]["in_channels"]
-    old = tmp_path / "old.safetensors"
-    save_file(load_file(weights), old, {"segmentation": json.dumps(stored)})
-    assert SegmentationWeights.read(old).in_channels == 3
-    Image.open(shapes / "imgs" / "shape_0000.png").convert("L").save(tmp_path / "grey.png")
-    res = launch(
-        [RECIPE, "--predict", tmp_path / "grey.png", "--weights", old, "--predict_dir", tmp_path],
-        launcher="python",
-    )
-    assert_ok(res)
-    assert Image.open(tmp_path / "grey_mask.png").size == (SIZE, SIZE)
-
-
-@pytest.mark.slow
 def test_binary_masks_from_a_datasets_folder(shapes, tmp_path):
     """The other data path (parquet files with image and mask columns) and the 1-class model:
     masks of 0/255, resize, crop, bilinear upsampling and the plateau schedule, then predict."""
@@ -603,40 +509,6 @@ def test_binary_masks_from_a_datasets_folder(shapes, tmp_path):
     assert_ok(res)
     mask = Image.open(out / f"{images[60].stem}_mask.png")
     assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= {0, 255}
-
-
-@pytest.mark.slow
-def test_weights_that_do_not_fit_say_why_in_one_short_line(trained_unet, unet, tmp_path):
-    # What main() calls with --weights, before and after the data; the launch of
-    # test_weights_saved_with_one_key_per_setting_say_to_train_again shows such a line printed.
-    from safetensors.torch import save_file
-    from unet_predict import fit_to_weights
-
-    from common.checkpoint import load_weights
-    from common.config import UserError
-
-    weights = trained_unet[0] / "model.safetensors"
-    cfg = unet.Config(weights=str(weights))  # base_channels 64, the default
-    with pytest.raises(UserError) as e:
-        fit_to_weights(cfg, SegmentationWeights.read(weights), unet.MODEL_SETTINGS)
-    assert (
-        str(e.value)
-        == f"{weights} was trained with base_channels 16, not 64: add --base_channels 16"
-    )
-    # Another recipe's weights: no settings stored, and none of the tensors fit.
-    save_file({"fc.weight": torch.zeros(10, 784)}, tmp_path / "other.safetensors")
-    assert SegmentationWeights.read(tmp_path / "other.safetensors") is None
-    model = unet.build_model(
-        {
-            **{name: getattr(cfg, name) for name in unet.MODEL_SETTINGS},
-            "in_channels": 3,
-            "num_classes": 4,
-        }
-    )
-    with pytest.raises(UserError) as e:
-        load_weights(model, tmp_path / "other.safetensors")
-    assert "118 of the model's 118 tensors are missing, such as " in str(e.value)
-    assert "\n" not in str(e.value) and len(str(e.value)) < 400
 
 
 def test_bad_settings_are_rejected(unet):
