@@ -5,6 +5,7 @@ import contextlib
 import difflib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -191,6 +192,26 @@ def assert_ok(res):
 
 def read_metrics(out_dir):
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def error_lines(res):
+    """The `error:` lines of a failed run; no rank may show a traceback (the launcher's own one,
+    which reports the failed ranks, is not the recipe's)."""
+    assert res.returncode != 0, res
+    assert "DataError" not in res.output, res
+    assert not re.search(r'File ".*/(recipes|common)/', res.output), res
+    return [line for line in res.output.splitlines() if line.startswith("error:")]
+
+
+def truncate(path):
+    """Cut a file to its first half, as an interrupted copy leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # the header still reads; the pixels do not
+
+
+def garble(path):
+    """Overwrite a file with bytes that no reader takes."""
+    path.write_bytes(b"this is not an image nor a parquet file " * 20)
 
 
 def assert_ema_is_evaluated_and_followed(out, steps, steps_per_epoch):

@@ -1,33 +1,19 @@
-"""Corrupt, unreadable or missing data: one line that names the file (or the path) and the fix,
-on every rank, within seconds; never a raw traceback and never a hang."""
+"""MNIST's corrupt, unreadable or missing data: one line that names the file (or the path) and the
+fix, on every rank, within seconds; never a raw traceback and never a hang. The U-Net's bad files
+are in test_unet_masks.py."""
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from conftest import REPO, assert_ok, launch
+from conftest import REPO, assert_ok, error_lines, garble, launch, truncate
 from PIL import Image
-from unet_data import open_sources
 
 from common.data import DataError
 
-MNIST, UNET = "recipes/mnist.py", "recipes/unet.py"
-UNET_FAST = ["--base_channels", 8, "--val_fraction", 0.2, "--eval_batch_size", 4, "--batch_size", 4]
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-
-
-def error_lines(res):
-    """The `error:` lines of a failed run; no rank may show a traceback (the launcher's own one,
-    which reports the failed ranks, is not the recipe's)."""
-    assert res.returncode != 0, res
-    assert "DataError" not in res.output, res
-    assert not re.search(r'File ".*/(recipes|common)/', res.output), res
-    return [line for line in res.output.splitlines() if line.startswith("error:")]
+MNIST = "recipes/mnist.py"
 
 
 def assert_one_line(res, *parts):
@@ -36,15 +22,6 @@ def assert_one_line(res, *parts):
     assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), res
     assert all(str(p) in lines[0] for p in parts), res
     return lines[0]
-
-
-def truncate(path):
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])  # the header still reads; the pixels do not
-
-
-def garble(path):
-    path.write_bytes(b"this is not an image nor a parquet file " * 20)
 
 
 def write_imagefolder(root, per_split=40):
@@ -187,169 +164,3 @@ def test_a_mistyped_local_path_says_it_does_not_exist(tmp_path):
     )
     line = assert_one_line(res, "dataset path data/mnist_sampel does not exist: check --dataset")
     assert "no internet" not in line and "could not load" not in line
-
-
-# ---- U-Net: imgs/ + masks/ ----
-
-
-def pair(unet, root, index, which):
-    """The image (which=0) or mask (1) file of training pair `index` (scan_masks gives rank r the
-    pairs r, r + 2, ...), or of validation pair `index - 100`."""
-    train, val = open_sources(unet.Config(dataset=str(root), val_fraction=0.2))
-    return (train[index] if index < 100 else val[index - 100])[which]
-
-
-def test_a_missing_unet_folder_says_so_and_names_the_layout(unet, tmp_path):
-    missing = tmp_path / "no_such_data"
-    with pytest.raises(DataError, match=re.escape(f"dataset path {missing} does not exist")) as e:
-        open_sources(unet.Config(dataset=str(missing)))
-    assert "imgs/" in str(e.value) and "masks/" in str(e.value), e.value
-
-
-@pytest.mark.slow
-def test_a_bad_file_found_by_the_scan_stops_both_ranks_with_one_line(unet, shapes, tmp_path):
-    shutil.copytree(shapes, tmp_path / "data")
-    bad = pair(unet, tmp_path / "data", 1, 0)  # rank 1's: its message reaches rank 0, gathered
-    garble(bad)
-    res = launch(
-        [
-            UNET,
-            "--dataset",
-            tmp_path / "data",
-            "--output_dir",
-            tmp_path / "out",
-            "--smoke",
-            "--num_workers",
-            0,
-            *UNET_FAST,
-        ],
-        nproc=2,
-        env=ONE_THREAD,
-        timeout=120,
-    )
-    errors = error_lines(res)
-    assert len(errors) == 1 and f"cannot read image {bad} (" in errors[0], res
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("change", [truncate, garble], ids=["truncated mask", "garbage mask"])
-def test_a_bad_mask_found_by_the_scan_is_named(change, unet, shapes, tmp_path):
-    # What the scan says; the launch above shows that what rank 1 finds reaches the user once.
-    from unet_data import scan_masks
-
-    from common.runtime import build_accelerator
-
-    shutil.copytree(shapes, tmp_path / "data")
-    bad = pair(unet, tmp_path / "data", 1, 1)
-    change(bad)
-    with pytest.raises(DataError, match=re.escape(f"cannot read mask {bad} (")):
-        scan_masks(
-            build_accelerator(),
-            open_sources(unet.Config(dataset=str(tmp_path / "data"), val_fraction=0.2)),
-        )
-
-
-@pytest.fixture
-def truncated_image(unet, shapes, tmp_path):
-    """A copy of the shapes whose first validation image is cut short: its header reads, so the
-    scan passes it, and it fails when a DataLoader reads it."""
-    shutil.copytree(shapes, tmp_path / "data")
-    bad = pair(unet, tmp_path / "data", 100, 0)
-    truncate(bad)
-    Image.open(bad).close()  # the header is fine
-    return tmp_path / "data", bad
-
-
-@pytest.mark.slow
-def test_a_truncated_image_stops_with_one_line_without_workers(truncated_image, tmp_path):
-    root, bad = truncated_image
-    res = launch(
-        [
-            UNET,
-            "--dataset",
-            root,
-            "--output_dir",
-            tmp_path / "out",
-            "--smoke",
-            "--num_workers",
-            0,
-            "--cache_images",
-            "false",
-            *UNET_FAST,
-        ],
-        launcher="python",
-        env=ONE_THREAD,
-    )
-    assert res.returncode == 2 and "Traceback" not in res.output, res  # after the start-up lines:
-    assert error_lines(res) == [
-        f"error: cannot read image {bad} (image file is truncated): fix or remove the file"
-    ]
-
-
-@pytest.mark.slow
-def test_a_truncated_image_read_by_a_worker_is_named_and_the_run_exits_at_once(
-    truncated_image, tmp_path
-):
-    # Two loaders with a persistent worker each: torch's own shutdown after the error waited 5 s
-    # for each worker, so the process lingered 10 s after its error line.
-    root, bad = truncated_image
-    cmd = [
-        sys.executable,
-        UNET,
-        "--dataset",
-        root,
-        "--output_dir",
-        tmp_path / "out",
-        "--smoke",
-        "--num_workers",
-        1,
-        "--cache_images",
-        "false",
-        *UNET_FAST,
-    ]
-    proc = subprocess.Popen(
-        [str(c) for c in cmd],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **ONE_THREAD},
-    )
-    output, said = "", None
-    for line in proc.stdout:  # "error:" follows the progress bar's carriage returns on its line
-        output += line
-        if said is None and "error: " in line:
-            said = time.monotonic()
-    proc.wait(timeout=60)
-    assert said is not None and proc.returncode == 2, output
-    assert f"cannot read image {bad} (" in output, output
-    assert time.monotonic() - said < 4, "the process lingered after its error line"
-
-
-@pytest.mark.slow
-def test_a_truncated_image_stops_both_ranks_with_one_line_as_they_fill_the_cache(
-    truncated_image, tmp_path
-):
-    # Every process decodes every image into its cache, in the same order: both find the same
-    # first bad file before training, and rank 0 says it.
-    root, bad = truncated_image
-    res = launch(
-        [
-            UNET,
-            "--dataset",
-            root,
-            "--output_dir",
-            tmp_path / "out",
-            "--smoke",
-            "--cache_images",
-            "true",
-            *UNET_FAST,
-        ],
-        nproc=2,
-        env=ONE_THREAD,
-        timeout=120,
-    )
-    assert error_lines(res) == [
-        f"error: cannot read image {bad} (image file is truncated): fix or remove the file"
-    ]
-    assert "unet: " not in res.output, res  # stopped before the start-up line: no training began

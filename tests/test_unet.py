@@ -3,7 +3,6 @@ scripts/make_shapes.py."""
 
 import json
 import math
-import os
 import re
 import shutil
 from dataclasses import replace
@@ -12,7 +11,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import unet_data
 import yaml
 from conftest import (
     FAST,
@@ -31,11 +29,10 @@ from conftest import (
 )
 from PIL import Image
 from safetensors import safe_open
-from unet_data import IGNORE, open_sources
 from unet_predict import SegmentationWeights
 
 from common.config import ConfigError, parse_config
-from common.data import DataError, crop_and_flip
+from common.data import DataError
 from common.schedule import fit_cosine
 
 RECIPE = "recipes/unet.py"
@@ -246,103 +243,6 @@ def test_eval_is_the_same_on_one_and_two_processes(trained_unet, shapes, tmp_pat
     assert results[2]["dice"] == pytest.approx(results[1]["dice"], abs=1e-3)
 
 
-def copy_with_a_bad_mask(shapes, unet, root, change):
-    """A copy of the data where change() alters the mask that the second process reads first."""
-    shutil.copytree(shapes, root)
-    train, val = open_sources(unet.Config(dataset=str(root), val_fraction=VAL_FRACTION))
-    bad = (train + val)[1][1]  # scan_masks gives rank r the pairs r, r + 2, ...
-    change(Image.open(bad)).save(bad)
-    return bad
-
-
-@pytest.fixture(scope="module")
-def bad_shapes(shapes, unet, tmp_path_factory):
-    """The mask that the second process reads first holds the value 7."""
-
-    def with_7(mask):
-        return Image.fromarray(np.where(np.arange(SIZE) == 3, 7, mask).astype(np.uint8))
-
-    root = tmp_path_factory.mktemp("bad_shapes") / "data"
-    return root, copy_with_a_bad_mask(shapes, unet, root, with_7)
-
-
-@pytest.mark.slow
-def test_a_mask_value_outside_mask_values_stops_every_rank_with_one_line(bad_shapes, tmp_path):
-    root, bad = bad_shapes
-    res = launch(
-        [
-            RECIPE,
-            "--dataset",
-            root,
-            "--output_dir",
-            tmp_path,
-            "--mask_values",
-            "0,85,170,255",
-            "--smoke",
-            *FAST,
-        ],
-        nproc=2,
-    )
-    # Rank 1 reads the bad mask, yet the error is printed, and only rank 0 prints: the problem
-    # reached rank 0 through the gather. The launcher then reports the failed ranks.
-    assert res.returncode != 0, res
-    assert "terminate called" not in res.output and "DataError" not in res.output, res
-    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
-    assert errors == [
-        f"error: mask {bad} has value 7, which is not one of mask_values "
-        f"0,85,170,255: fix the mask, or list the value in --mask_values"
-    ], res
-
-
-@pytest.mark.slow
-def test_a_mask_that_does_not_fit_its_image_is_named(shapes, unet, tmp_path):
-    # What the scan says; the launch above shows that what rank 1 finds reaches the user once.
-    from unet_data import scan_masks
-
-    from common.runtime import build_accelerator
-
-    bad = copy_with_a_bad_mask(
-        shapes, unet, tmp_path / "data", lambda m: m.resize((SIZE, SIZE - 1))
-    )
-    message = f"mask {bad} is {SIZE}x{SIZE - 1}, its image {SIZE}x{SIZE}"
-    with pytest.raises(DataError, match=re.escape(message)):
-        scan_masks(
-            build_accelerator(),
-            open_sources(unet.Config(dataset=str(tmp_path / "data"), val_fraction=VAL_FRACTION)),
-        )
-
-
-def data_error(unet, **settings):
-    """The one-line DataError that the recipe's load_data() stops with: a launch would print it
-    as `error: ...` (test_a_mask_value_outside_mask_values_stops_every_rank_with_one_line)."""
-    from unet_data import load_data
-
-    from common.runtime import build_accelerator
-
-    cfg = unet.Config(val_fraction=VAL_FRACTION, **settings)
-    with pytest.raises(DataError) as e:
-        load_data(cfg, build_accelerator(), unet.input_channels)
-    assert "\n" not in str(e.value)
-    return str(e.value)
-
-
-@pytest.mark.slow
-def test_an_odd_mask_value_found_by_inference_is_named(bad_shapes, unet):
-    # num_classes left at 0 (one class per value found): a value in a single mask is not a class.
-    root, bad = bad_shapes
-    error = data_error(unet, dataset=str(root))
-    assert (
-        f"the masks hold 5 values (0,7,85,170,255); the rarest, 7, is in 1 of {N_IMAGES} "
-        f"masks, such as {bad}"
-        in error
-        and "or --num_classes 5 to keep them all" in error
-    )
-    # With num_classes set, the count must fit it.
-    error = data_error(unet, dataset=str(root), num_classes=4)
-    assert "the masks hold 5 values (0,7,85,170,255) where num_classes 4 expects 4" in error
-    assert f"the rarest, 7, is in 1 mask(s), such as {bad}" in error
-
-
 def recoloured(shapes, root, mode, count=None):
     """A copy of the shapes (the first `count` pairs) with the images in PIL `mode`."""
     for folder in ("imgs", "masks"):
@@ -446,71 +346,6 @@ def test_images_of_different_channels_say_which_and_what_to_set(unet, shapes, tm
     assert data.in_channels == 3 and next(iter(data.val_loader))[0].shape[1] == 3
 
 
-@pytest.mark.slow
-def test_binary_masks_from_a_datasets_folder(shapes, tmp_path):
-    """The other data path (parquet files with image and mask columns) and the 1-class model:
-    masks of 0/255, resize, crop, bilinear upsampling and the plateau schedule, then predict."""
-    import datasets
-
-    images, masks = (sorted((shapes / folder).glob("*.png")) for folder in ("imgs", "masks"))
-    binary = [
-        Image.fromarray(np.where(np.asarray(Image.open(m)) > 0, 255, 0).astype(np.uint8))
-        for m in masks
-    ]
-    features = datasets.Features({"image": datasets.Image(), "mask": datasets.Image()})
-    for split, rows in (("train", slice(0, 40)), ("validation", slice(40, 51))):
-        columns = {"image": [str(p) for p in images[rows]], "mask": binary[rows]}
-        ds = datasets.Dataset.from_dict(columns, features)
-        ds.to_parquet(str(tmp_path / f"{split}.parquet"))
-    out = tmp_path / "out"
-    res = launch(
-        [
-            RECIPE,
-            "--dataset",
-            tmp_path,
-            "--output_dir",
-            out,
-            "--smoke",
-            "--num_classes",
-            1,
-            "--image_size",
-            40,
-            "--crop_size",
-            32,
-            "--bilinear",
-            "--scheduler",
-            "plateau",
-            *FAST,
-        ],
-        launcher="python",
-        env=ONE_THREAD,
-    )
-    assert_ok(res)
-    assert (
-        "40 train / 11 validation images of 40x40; classes: mask values 0,255 (one sigmoid "
-        "output)" in res.output
-    )
-    (row,) = read_metrics(out)
-    assert row["eval_samples"] == 11 and row["step"] == 5 and row["lr"] == LR
-    assert 0 <= row["dice"] <= 1
-    res = launch(
-        [
-            RECIPE,
-            "--predict",
-            images[60],
-            "--weights",
-            out / "model.safetensors",
-            "--predict_dir",
-            out,
-        ],
-        launcher="python",
-        env=ONE_THREAD,
-    )
-    assert_ok(res)
-    mask = Image.open(out / f"{images[60].stem}_mask.png")
-    assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= {0, 255}
-
-
 def test_bad_settings_are_rejected(unet):
     for args, message in [
         (["--mask_values", "0,x"], "mask_values must be distinct non-negative integers"),
@@ -537,13 +372,6 @@ def test_bad_settings_are_rejected(unet):
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_config(unet.Config, args)
-
-
-def test_missing_default_data_says_how_to_make_it(unet, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    message = "data/shapes does not exist yet: write it with `make data/shapes`"
-    with pytest.raises(DataError, match=re.escape(message)):
-        open_sources(unet.Config())
 
 
 def assert_resume_is_bit_identical(args, out, stop_at, steps, nproc=1):
@@ -614,60 +442,6 @@ def test_stop_and_resume_is_bit_identical_with_crops_and_flips(
     assert (config["channels_last"], config["cache_images"]) == (False, cache == "true")
 
 
-def epoch_batches(unet, cfg, epoch):
-    """The training batches of an epoch, from the recipe's loader as its main() builds it."""
-    from functools import partial
-
-    from unet_data import load_data
-
-    from common.runtime import build_accelerator
-
-    data = load_data(cfg, build_accelerator(), unet.input_channels, partial(unet.augment, cfg=cfg))
-    # The order: the loader's first, from its own seeded generator.
-    data.train_loader.dataset.epoch = epoch
-    return data.reading, list(data.train_loader)
-
-
-@pytest.mark.slow
-def test_cached_and_decoded_batches_are_identical_with_any_number_of_workers(unet, shapes):
-    settings = dict(
-        dataset=str(shapes), val_fraction=VAL_FRACTION, batch_size=8, crop_size=40, vflip=0.5
-    )
-    reading, cached = epoch_batches(unet, unet.Config(**settings, cache_images=True), epoch=3)
-    assert reading == "images decoded once, 1 MB in cpu memory"
-    for workers in (0, 2, -1):  # -1, the default: one per CPU core less one, at most 8
-        streamed = unet.Config(**settings, cache_images=False, num_workers=workers)
-        reading, decoded = epoch_batches(unet, streamed, 3)
-        count = workers if workers >= 0 else min(8, max(1, len(os.sched_getaffinity(0)) - 1))
-        where = (
-            f"by {count} DataLoader worker(s) per process" if count else "in the training process"
-        )
-        assert reading == f"images decoded at every read {where}"
-        assert len(decoded) == len(cached) == math.ceil(N_TRAIN / 8)
-        for (x, y), (x2, y2) in zip(cached, decoded):
-            assert x.dtype == torch.uint8 and x.shape[1:] == (3, 40, 40) and y.dtype == torch.int64
-            assert torch.equal(x, x2) and torch.equal(y, y2)
-    _, other_epoch = epoch_batches(unet, unet.Config(**settings, cache_images=True), epoch=4)
-    # New crops every epoch.
-    assert not all(torch.equal(a[0], b[0]) for a, b in zip(cached, other_epoch))
-
-
-def test_crop_and_flip_crop_and_flip_each_image_and_its_mask_alike():
-    images = torch.arange(4 * 3 * 6 * 8, dtype=torch.int64).reshape(4, 3, 6, 8)
-    masks = images[:, 0] * 10
-    rand = torch.tensor(
-        [[0.0, 0.0, 0.9, 0.9], [0.999, 0.999, 0.1, 0.9], [0.5, 0.5, 0.9, 0.1], [0.3, 0.7, 0.1, 0.1]]
-    )
-    x, y = crop_and_flip(images, masks, rand, crop=4, hflip=0.5, vflip=0.5)
-    # (top, left) = floor(rand * (6 - 4 + 1)), floor(rand * (8 - 4 + 1)); flipped where rand < 0.5.
-    cases = [(0, 0, []), (2, 4, [-1]), (1, 2, [-2]), (0, 3, [-1, -2])]
-    for n, (top, left, flips) in enumerate(cases):
-        window = images[n, :, top : top + 4, left : left + 4]
-        expected = window.flip(flips) if flips else window
-        assert torch.equal(x[n], expected) and torch.equal(y[n], expected[0] * 10), n
-    assert crop_and_flip(images, masks, rand) == (images, masks)  # nothing to do
-
-
 @pytest.mark.slow
 def test_bucketed_eval_and_saving_leave_a_compiled_ddp_model_whole(mixed_shapes, tmp_path):
     res = launch(
@@ -680,37 +454,6 @@ def test_bucketed_eval_and_saving_leave_a_compiled_ddp_model_whole(mixed_shapes,
     assert res.output.count("compiled DDP model whole") == 2, res
     # Both ranks report the reduced count: every validation image exactly once.
     assert re.findall(r"whole; (\d+) images evaluated", res.output) == [str(N_MIXED_VAL)] * 2, res
-
-
-@pytest.mark.slow
-def test_without_bucket_by_size_mixed_sizes_say_what_to_set(mixed_shapes, unet):
-    error = data_error(unet, dataset=str(mixed_shapes))
-    assert "images have different sizes" in error
-    assert "set --image_size to resize them, or --bucket_by_size true" in error
-
-
-@pytest.mark.parametrize("num_classes", [4, 1])
-def test_padding_changes_neither_the_loss_nor_the_dice_counts(unet, num_classes):
-    torch.manual_seed(0)
-    logits = torch.randn(1, num_classes, 20, 24)
-    target = torch.randint(0, unet_data.value_count(num_classes), (1, 20, 24))
-    other = (torch.zeros(3, 40, 30, dtype=torch.uint8), torch.zeros(40, 30, dtype=torch.int64))
-    x, y = unet_data.pad_collate([(torch.ones(3, 20, 24, dtype=torch.uint8), target[0]), other])
-    assert x.shape == (2, 3, 48, 32) and y.shape == (2, 48, 32)  # the largest, rounded up to 16
-    assert (y[0, 20:] == IGNORE).all() and (y[0, :, 24:] == IGNORE).all()
-    assert (x[0, :, 20:] == 0).all()
-    padded_logits = 10 * torch.randn(2, num_classes, 48, 32)  # whatever it says about the padding
-    padded_logits[0, :, :20, :24] = logits[0]
-    loss, padded_loss = (
-        unet.loss_per_image(lg, t, num_classes)[0]
-        for lg, t in ((logits, target), (padded_logits, y))
-    )
-    assert padded_loss.item() == pytest.approx(loss.item(), rel=1e-5)
-    for a, b in zip(
-        unet.dice_counts(logits, target, num_classes),
-        unet.dice_counts(padded_logits, y, num_classes),
-    ):
-        assert torch.equal(a[0], b[0])
 
 
 @pytest.mark.slow
@@ -809,22 +552,3 @@ def test_bucket_by_size_resumes_bit_identically(mixed_shapes, tmp_path):
         0.5,
     ]
     assert_resume_is_bit_identical(args, tmp_path, stop_at=7, steps=20)
-
-
-@pytest.mark.slow
-def test_num_classes_comes_from_the_masks_in_the_carvana_layout(shapes, tmp_path):
-    # imgs/ + masks/ whose masks hold 0 and 255, and no --num_classes: two classes, not an error.
-    root = tmp_path / "binary"
-    shutil.copytree(shapes, root)
-    for mask in (root / "masks").glob("*.png"):
-        binary = np.where(np.asarray(Image.open(mask)) > 0, 255, 0).astype(np.uint8)
-        Image.fromarray(binary).save(mask)
-    res = launch(
-        [RECIPE, "--dataset", root, "--output_dir", tmp_path / "out", "--smoke", *FAST],
-        launcher="python",
-        env=ONE_THREAD,
-    )
-    assert_ok(res)
-    assert "classes: mask values 0,255; outputs to" in res.output
-    stored = SegmentationWeights.read(tmp_path / "out" / "model.safetensors")
-    assert stored.model["num_classes"] == 2
