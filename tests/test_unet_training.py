@@ -1,5 +1,6 @@
-"""The U-Net recipe, launched as users launch it, on a tiny shapes dataset made by
-scripts/make_shapes.py."""
+"""Training the U-Net recipe, launched as users launch it, on shapes made by
+scripts/make_shapes.py: what a run learns and writes on 1 and 2 processes, exact evaluation, the
+schedule, bit-identical resume, bucket_by_size, the images' channels, and bad settings."""
 
 import json
 import math
@@ -37,6 +38,9 @@ from common.schedule import fit_cosine
 
 RECIPE = "recipes/unet.py"
 N_TRAIN = N_IMAGES - N_VAL  # the training images of `shapes`
+
+
+# ---- Training and exact evaluation on 1 and 2 processes ----
 
 
 def all_background_dice(mask_dir):
@@ -137,6 +141,45 @@ def test_two_processes_exact_eval_count_lr_schedule_and_tensorboard_panels(shape
     assert images[0].width == 4 * 3 * images[0].height  # 4 of image | prediction | truth, in a row
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm runs on GPUs only")
+def test_two_gpus_use_syncbatchnorm(shapes, tmp_path):
+    res = launch([RECIPE, "--dataset", shapes, "--output_dir", tmp_path, "--smoke", *FAST], nproc=2)
+    assert_ok(res)
+    assert "; SyncBatchNorm;" in res.output
+
+
+@pytest.mark.slow
+def test_eval_is_the_same_on_one_and_two_processes(trained_unet, shapes, tmp_path):
+    weights = trained_unet[0] / "model.safetensors"
+    results = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"eval{nproc}"
+        res = launch(
+            [
+                RECIPE,
+                "--dataset",
+                shapes,
+                "--output_dir",
+                out,
+                "--eval_only",
+                "--weights",
+                weights,
+                *FAST,
+            ],
+            nproc=nproc,
+            env=ONE_THREAD,
+        )
+        assert_ok(res)
+        (results[nproc],) = read_metrics(out)
+    assert results[1]["eval_samples"] == results[2]["eval_samples"] == N_VAL
+    assert results[1]["dice"] == pytest.approx(read_metrics(trained_unet[0])[-1]["dice"], abs=1e-6)
+    # The batches differ, not the images.
+    assert results[2]["dice"] == pytest.approx(results[1]["dice"], abs=1e-3)
+
+
+# ---- The schedule ----
+
+
 @pytest.mark.slow
 def test_the_cosine_schedule_refits_when_a_resume_changes_the_process_count(shapes, tmp_path):
     args = [
@@ -207,171 +250,7 @@ def test_a_resume_with_the_same_plan_leaves_the_cosine_alone_after_skipped_fp16_
     assert optimizer.param_groups[0]["lr"] == pytest.approx((1 + math.cos(math.pi * 8 / 28)) / 2)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm runs on GPUs only")
-def test_two_gpus_use_syncbatchnorm(shapes, tmp_path):
-    res = launch([RECIPE, "--dataset", shapes, "--output_dir", tmp_path, "--smoke", *FAST], nproc=2)
-    assert_ok(res)
-    assert "; SyncBatchNorm;" in res.output
-
-
-@pytest.mark.slow
-def test_eval_is_the_same_on_one_and_two_processes(trained_unet, shapes, tmp_path):
-    weights = trained_unet[0] / "model.safetensors"
-    results = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"eval{nproc}"
-        res = launch(
-            [
-                RECIPE,
-                "--dataset",
-                shapes,
-                "--output_dir",
-                out,
-                "--eval_only",
-                "--weights",
-                weights,
-                *FAST,
-            ],
-            nproc=nproc,
-            env=ONE_THREAD,
-        )
-        assert_ok(res)
-        (results[nproc],) = read_metrics(out)
-    assert results[1]["eval_samples"] == results[2]["eval_samples"] == N_VAL
-    assert results[1]["dice"] == pytest.approx(read_metrics(trained_unet[0])[-1]["dice"], abs=1e-6)
-    # The batches differ, not the images.
-    assert results[2]["dice"] == pytest.approx(results[1]["dice"], abs=1e-3)
-
-
-def recoloured(shapes, root, mode, count=None):
-    """A copy of the shapes (the first `count` pairs) with the images in PIL `mode`."""
-    for folder in ("imgs", "masks"):
-        (root / folder).mkdir(parents=True)
-        for path in sorted((shapes / folder).glob("*.png"))[:count]:
-            image = Image.open(path)
-            (image.convert(mode) if folder == "imgs" else image).save(root / folder / path.name)
-    return root
-
-
-@pytest.mark.slow
-def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(
-    unet, shapes, tmp_path
-):
-    grey = recoloured(shapes, tmp_path / "grey", "L")
-    res = launch(
-        [RECIPE, "--dataset", grey, "--output_dir", tmp_path / "out", "--smoke", *FAST],
-        launcher="python",
-        env=ONE_THREAD,
-    )
-    assert_ok(res)
-    assert "; L images; " in res.output, res
-    weights = tmp_path / "out" / "model.safetensors"
-    assert SegmentationWeights.read(weights).model["in_channels"] == 1
-    # Predict reads any image in the channels the weights were trained on.
-    inputs = tmp_path / "in"
-    inputs.mkdir()
-    Image.open(shapes / "imgs" / "shape_0000.png").save(inputs / "rgb.png")
-    Image.open(shapes / "imgs" / "shape_0001.png").convert("RGBA").save(inputs / "rgba.png")
-    assert_ok(
-        launch(
-            [
-                RECIPE,
-                "--predict",
-                f"{inputs}/*",
-                "--weights",
-                weights,
-                "--predict_dir",
-                tmp_path / "masks",
-                "--overlay",
-            ],
-            launcher="python",
-            env=ONE_THREAD,
-        )
-    )
-    masks = {p.name for p in (tmp_path / "masks").glob("*_mask.png")}
-    assert masks == {"rgb_mask.png", "rgba_mask.png"}
-    # eval_only of these weights on RGB images: the model and the images take the stored 1 channel.
-    res = launch(
-        [
-            RECIPE,
-            "--dataset",
-            shapes,
-            "--output_dir",
-            tmp_path / "eval",
-            "--eval_only",
-            "--weights",
-            weights,
-            *FAST,
-        ],
-        launcher="python",
-        env=ONE_THREAD,
-    )
-    assert_ok(res)
-    assert "; L images; " in res.output, res
-    assert read_metrics(tmp_path / "eval")[0]["eval_samples"] == N_VAL
-    # RGBA images: 4 channels, read as such by the loaders.
-    from unet_data import load_data
-
-    from common.runtime import build_accelerator
-
-    cfg = unet.Config(
-        dataset=str(recoloured(shapes, tmp_path / "rgba", "RGBA", 20)),
-        val_fraction=0.2,
-        cache_images=False,
-        num_workers=0,
-    )
-    data = load_data(cfg, build_accelerator(), unet.input_channels)
-    x, _ = next(iter(data.train_loader))
-    assert data.in_channels == 4 and x.shape[1] == 4 and x.dtype == torch.uint8
-
-
-def test_images_of_different_channels_say_which_and_what_to_set(unet, shapes, tmp_path):
-    from unet_data import load_data
-
-    from common.runtime import build_accelerator
-
-    root = recoloured(shapes, tmp_path / "data", "RGB", 20)
-    grey = root / "imgs" / "shape_0007.png"
-    Image.open(grey).convert("L").save(grey)
-    cfg = unet.Config(dataset=str(root), val_fraction=0.2, num_workers=0)
-    message = (
-        re.escape(f"images have different channels: {grey} is L (1), ")
-        + r"\S+ is RGB \(3\): convert them to one mode, or set --in_channels 3 to read all "
-        r"as RGB$"
-    )
-    with pytest.raises(DataError, match=message):
-        load_data(cfg, build_accelerator(), unet.input_channels)
-    # Set, in_channels reads them all alike.
-    data = load_data(replace(cfg, in_channels=3), build_accelerator(), unet.input_channels)
-    assert data.in_channels == 3 and next(iter(data.val_loader))[0].shape[1] == 3
-
-
-def test_bad_settings_are_rejected(unet):
-    for args, message in [
-        (["--mask_values", "0,x"], "mask_values must be distinct non-negative integers"),
-        (
-            ["--num_classes", "4", "--mask_values", "0,255"],
-            "mask_values needs one value per class (4 for num_classes 4)",
-        ),
-        (["--num_classes", "1", "--mask_values", "0,1,2"], "(2 for num_classes 1)"),
-        (["--crop_size", "64", "--image_size", "48"], "crop_size cannot exceed image_size"),
-        (["--image_size", "20"], "image_size must be 0 or at least 32"),
-        (["--scheduler", "step"], "scheduler must be cosine or plateau"),
-        (["--predict", "x.png"], "predict needs weights"),
-        (
-            ["--bucket_by_size", "true", "--image_size", "64"],
-            "bucket_by_size trains on the images' own sizes",
-        ),
-        (
-            ["--channels_last", "maybe"],
-            "--channels_last must be a bool (true/false) or auto, got 'maybe'",
-        ),
-        (["--cache_images", "2"], "--cache_images must be a bool (true/false) or auto, got '2'"),
-        (["--num_workers", "-2"], "num_workers must be at least -1, got -2"),
-        (["--in_channels", "5"], "in_channels must be 0 (from the images), 1, 2, 3 or 4, got 5"),
-    ]:
-        with pytest.raises(ConfigError, match=re.escape(message)):
-            parse_config(unet.Config, args)
+# ---- Stop and resume, bit-identical ----
 
 
 def assert_resume_is_bit_identical(args, out, stop_at, steps, nproc=1):
@@ -440,6 +319,9 @@ def test_stop_and_resume_is_bit_identical_with_crops_and_flips(
     # config.yaml records the settings as the run resolved them: channels_last auto is off on CPUs.
     config = yaml.safe_load((tmp_path / "straight" / "config.yaml").read_text())
     assert (config["channels_last"], config["cache_images"]) == (False, cache == "true")
+
+
+# ---- bucket_by_size: each image trained and evaluated at its own size ----
 
 
 @pytest.mark.slow
@@ -552,3 +434,140 @@ def test_bucket_by_size_resumes_bit_identically(mixed_shapes, tmp_path):
         0.5,
     ]
     assert_resume_is_bit_identical(args, tmp_path, stop_at=7, steps=20)
+
+
+# ---- The images' channels ----
+
+
+def recoloured(shapes, root, mode, count=None):
+    """A copy of the shapes (the first `count` pairs) with the images in PIL `mode`."""
+    for folder in ("imgs", "masks"):
+        (root / folder).mkdir(parents=True)
+        for path in sorted((shapes / folder).glob("*.png"))[:count]:
+            image = Image.open(path)
+            (image.convert(mode) if folder == "imgs" else image).save(root / folder / path.name)
+    return root
+
+
+@pytest.mark.slow
+def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(
+    unet, shapes, tmp_path
+):
+    grey = recoloured(shapes, tmp_path / "grey", "L")
+    res = launch(
+        [RECIPE, "--dataset", grey, "--output_dir", tmp_path / "out", "--smoke", *FAST],
+        launcher="python",
+        env=ONE_THREAD,
+    )
+    assert_ok(res)
+    assert "; L images; " in res.output, res
+    weights = tmp_path / "out" / "model.safetensors"
+    assert SegmentationWeights.read(weights).model["in_channels"] == 1
+    # Predict reads any image in the channels the weights were trained on.
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    Image.open(shapes / "imgs" / "shape_0000.png").save(inputs / "rgb.png")
+    Image.open(shapes / "imgs" / "shape_0001.png").convert("RGBA").save(inputs / "rgba.png")
+    assert_ok(
+        launch(
+            [
+                RECIPE,
+                "--predict",
+                f"{inputs}/*",
+                "--weights",
+                weights,
+                "--predict_dir",
+                tmp_path / "masks",
+                "--overlay",
+            ],
+            launcher="python",
+            env=ONE_THREAD,
+        )
+    )
+    masks = {p.name for p in (tmp_path / "masks").glob("*_mask.png")}
+    assert masks == {"rgb_mask.png", "rgba_mask.png"}
+    # eval_only of these weights on RGB images: the model and the images take the stored 1 channel.
+    res = launch(
+        [
+            RECIPE,
+            "--dataset",
+            shapes,
+            "--output_dir",
+            tmp_path / "eval",
+            "--eval_only",
+            "--weights",
+            weights,
+            *FAST,
+        ],
+        launcher="python",
+        env=ONE_THREAD,
+    )
+    assert_ok(res)
+    assert "; L images; " in res.output, res
+    assert read_metrics(tmp_path / "eval")[0]["eval_samples"] == N_VAL
+    # RGBA images: 4 channels, read as such by the loaders.
+    from unet_data import load_data
+
+    from common.runtime import build_accelerator
+
+    cfg = unet.Config(
+        dataset=str(recoloured(shapes, tmp_path / "rgba", "RGBA", 20)),
+        val_fraction=0.2,
+        cache_images=False,
+        num_workers=0,
+    )
+    data = load_data(cfg, build_accelerator(), unet.input_channels)
+    x, _ = next(iter(data.train_loader))
+    assert data.in_channels == 4 and x.shape[1] == 4 and x.dtype == torch.uint8
+
+
+def test_images_of_different_channels_say_which_and_what_to_set(unet, shapes, tmp_path):
+    from unet_data import load_data
+
+    from common.runtime import build_accelerator
+
+    root = recoloured(shapes, tmp_path / "data", "RGB", 20)
+    grey = root / "imgs" / "shape_0007.png"
+    Image.open(grey).convert("L").save(grey)
+    cfg = unet.Config(dataset=str(root), val_fraction=0.2, num_workers=0)
+    message = (
+        re.escape(f"images have different channels: {grey} is L (1), ")
+        + r"\S+ is RGB \(3\): convert them to one mode, or set --in_channels 3 to read all "
+        r"as RGB$"
+    )
+    with pytest.raises(DataError, match=message):
+        load_data(cfg, build_accelerator(), unet.input_channels)
+    # Set, in_channels reads them all alike.
+    data = load_data(replace(cfg, in_channels=3), build_accelerator(), unet.input_channels)
+    assert data.in_channels == 3 and next(iter(data.val_loader))[0].shape[1] == 3
+
+
+# ---- Settings ----
+
+
+def test_bad_settings_are_rejected(unet):
+    for args, message in [
+        (["--mask_values", "0,x"], "mask_values must be distinct non-negative integers"),
+        (
+            ["--num_classes", "4", "--mask_values", "0,255"],
+            "mask_values needs one value per class (4 for num_classes 4)",
+        ),
+        (["--num_classes", "1", "--mask_values", "0,1,2"], "(2 for num_classes 1)"),
+        (["--crop_size", "64", "--image_size", "48"], "crop_size cannot exceed image_size"),
+        (["--image_size", "20"], "image_size must be 0 or at least 32"),
+        (["--scheduler", "step"], "scheduler must be cosine or plateau"),
+        (["--predict", "x.png"], "predict needs weights"),
+        (
+            ["--bucket_by_size", "true", "--image_size", "64"],
+            "bucket_by_size trains on the images' own sizes",
+        ),
+        (
+            ["--channels_last", "maybe"],
+            "--channels_last must be a bool (true/false) or auto, got 'maybe'",
+        ),
+        (["--cache_images", "2"], "--cache_images must be a bool (true/false) or auto, got '2'"),
+        (["--num_workers", "-2"], "num_workers must be at least -1, got -2"),
+        (["--in_channels", "5"], "in_channels must be 0 (from the images), 1, 2, 3 or 4, got 5"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_config(unet.Config, args)
