@@ -62,11 +62,17 @@ def test_a_missing_unet_folder_says_so_and_names_the_layout(unet, tmp_path):
 # ---- Mask values, and the classes found in them ----
 
 
+def pair(unet, root, index, which):
+    """The image (which=0) or mask (1) file of training pair `index` (scan_masks gives rank r the
+    pairs r, r + 2, ...), or of validation pair `index - 100`."""
+    train, val = open_sources(unet.Config(dataset=str(root), val_fraction=0.2))
+    return (train[index] if index < 100 else val[index - 100])[which]
+
+
 def copy_with_a_bad_mask(shapes, unet, root, change):
     """A copy of the data where change() alters the mask that the second process reads first."""
     shutil.copytree(shapes, root)
-    train, val = open_sources(unet.Config(dataset=str(root), val_fraction=VAL_FRACTION))
-    bad = (train + val)[1][1]  # scan_masks gives rank r the pairs r, r + 2, ...
+    bad = pair(unet, root, 1, 1)
     change(Image.open(bad)).save(bad)
     return bad
 
@@ -244,13 +250,6 @@ def test_binary_masks_from_a_datasets_folder(shapes, tmp_path):
 
 
 # ---- Files that do not read ----
-
-
-def pair(unet, root, index, which):
-    """The image (which=0) or mask (1) file of training pair `index` (scan_masks gives rank r the
-    pairs r, r + 2, ...), or of validation pair `index - 100`."""
-    train, val = open_sources(unet.Config(dataset=str(root), val_fraction=0.2))
-    return (train[index] if index < 100 else val[index - 100])[which]
 
 
 @pytest.mark.slow
