@@ -1,5 +1,6 @@
-"""Launched by test_unet.py with 2 processes and `dynamo_backend: INDUCTOR` in the accelerate
-config: after a bucketed evaluation and save_weights(), is the compiled DDP model still whole?
+"""Launched by test_unet_training.py with 2 processes and `dynamo_backend: INDUCTOR` in the
+accelerate config: after a bucketed evaluation and save_weights(), is the compiled DDP model still
+whole?
 
 Accelerate 1.15's unwrap_model(model) (also inside get_state_dict) re-points torch.compile's
 wrapper at the bare model, so DDP drops out of the module tree that training goes on using:

@@ -2,18 +2,22 @@
 recipes exactly as users do (python, accelerate launch, torchrun) in a subprocess."""
 
 import contextlib
+import difflib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
+from recipe_module import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -41,7 +45,8 @@ def launch(
     """Run a recipe the way a user would; return its exit code and combined output.
     launcher: "python", "accelerate" or "torchrun". None: `accelerate launch` with a config or 2
     processes; else `python` on the CPU, as cpu.yaml runs it, without the launcher's 1.5 s.
-    launcher_args: more arguments for accelerate launch or torchrun, such as ["--max-restarts", 1]."""
+    launcher_args: more arguments for accelerate launch or torchrun, such as
+    ["--max-restarts", 1]."""
     script_args = [str(a) for a in script_args]
     if launcher is None:
         launcher = "accelerate" if nproc > 1 or config else "python"
@@ -89,8 +94,9 @@ def launch(
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # torch elastic starts each worker in a session of its own, out of killpg's reach: kill them
-        # one by one too, or a hung worker keeps the output pipe open and communicate() never returns.
+        # torch elastic starts each worker in a session of its own, out of killpg's reach: kill
+        # them one by one too, or a hung worker keeps the output pipe open and communicate()
+        # never returns.
         workers = psutil.Process(proc.pid).children(recursive=True)
         os.killpg(proc.pid, signal.SIGKILL)
         for worker in workers:
@@ -112,7 +118,8 @@ def stopped_at(straight, step, split):
 
 
 def make_shapes(root, count, size):
-    """scripts/make_shapes.py into root: count images of size x size with exact masks."""
+    """scripts/make_shapes.py into root: count images with exact masks, of size x size, or with
+    each height and width drawn from a string of sizes such as "40,64,96" (--sizes)."""
     subprocess.run(
         [
             sys.executable,
@@ -121,13 +128,49 @@ def make_shapes(root, count, size):
             root,
             "--count",
             str(count),
-            "--size",
+            "--sizes" if isinstance(size, str) else "--size",
             str(size),
         ],
         check=True,
         capture_output=True,
     )
     return root
+
+
+TINY_MODEL = """
+class TinyNet(nn.Module):  # the user's own model
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(28 * 28, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(x, 1))
+
+"""
+
+
+@contextlib.contextmanager
+def copy_with_tiny_model():
+    """recipes/mnist.py copied as README "Make your own recipe" says, with BasicNet swapped for
+    TinyNet: the copy's path, deleted on leaving."""
+    original = (REPO / "recipes" / "mnist.py").read_text()
+    assert original.count("model = BasicNet()") == 1
+    source = original.replace("# ADAPT: your model.", TINY_MODEL + "# ADAPT: your model.")
+    source = source.replace("model = BasicNet()", "model = TinyNet()")
+    # One line of the recipe changes, besides the model added (README: Make your own recipe).
+    assert (
+        sum(
+            line.startswith("- ")
+            for line in difflib.ndiff(original.splitlines(), source.splitlines())
+        )
+        == 1
+    )
+    copy = REPO / "recipes" / f"my_recipe_{uuid.uuid4().hex[:8]}.py"
+    copy.write_text(source)
+    try:
+        yield copy
+    finally:
+        copy.unlink()
 
 
 def compile_config(tmp_path, base="2gpu.yaml"):
@@ -149,6 +192,26 @@ def assert_ok(res):
 
 def read_metrics(out_dir):
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def error_lines(res):
+    """The `error:` lines of a failed run; no rank may show a traceback (the launcher's own one,
+    which reports the failed ranks, is not the recipe's)."""
+    assert res.returncode != 0, res
+    assert "DataError" not in res.output, res
+    assert not re.search(r'File ".*/(recipes|common)/', res.output), res
+    return [line for line in res.output.splitlines() if line.startswith("error:")]
+
+
+def truncate(path):
+    """Cut a file to its first half, as an interrupted copy leaves it."""
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # the header still reads; the pixels do not
+
+
+def garble(path):
+    """Overwrite a file with bytes that no reader takes."""
+    path.write_bytes(b"this is not an image nor a parquet file " * 20)
 
 
 def assert_ema_is_evaluated_and_followed(out, steps, steps_per_epoch):
@@ -214,8 +277,9 @@ def tiny_mnist(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def mnist_checkpoint(tiny_mnist, tmp_path_factory):
-    """A `python recipes/mnist.py` run on tiny_mnist stopped by max_steps at step 2 (batch 32, 8 steps
-    an epoch): its checkpoint is mid-epoch. Tests read it as it is, or break a copy of it."""
+    """A `python recipes/mnist.py` run on tiny_mnist stopped by max_steps at step 2 (batch 32,
+    8 steps an epoch): its checkpoint is mid-epoch. Tests read it as it is, or break a copy of
+    it."""
     out = tmp_path_factory.mktemp("mnist_checkpoint")
     assert_ok(
         launch(
@@ -236,6 +300,67 @@ def mnist_checkpoint(tiny_mnist, tmp_path_factory):
         )
     )
     return out
+
+
+# ---- The U-Net's data and its one shared run ----
+
+N_IMAGES, SIZE, VAL_FRACTION = 73, 48, 0.2  # `shapes`: 73 images of 48x48, a fifth to validate
+# int(73 * 0.2): not a multiple of 2 processes x eval_batch_size 4, so the last batch is padded.
+N_VAL = 14
+VALUES = {0, 85, 170, 255}  # make_shapes.py: background, circle, rectangle, triangle
+# The U-Net's settings in its tests. Small and quick on a CPU, and wide enough (16) that every
+# seed tried learns every class in 10 epochs. One thread: on 2 cores a second one slows
+# convolutions this small down several times.
+LR = 3e-3
+FAST = [
+    "--base_channels",
+    16,
+    "--lr",
+    LR,
+    "--val_fraction",
+    VAL_FRACTION,
+    "--num_workers",
+    0,
+    "--eval_batch_size",
+    4,
+]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+# bucket_by_size: images of different sizes, each trained and evaluated at its own size.
+N_MIXED, MIXED_SIZES = 40, "40,64,96"  # make_shapes.py --sizes: each height and width is one
+N_MIXED_VAL = int(N_MIXED * VAL_FRACTION)
+
+
+@pytest.fixture(scope="session")
+def shapes(tmp_path_factory):
+    """The U-Net's data, made once a session: N_IMAGES shapes of SIZE x SIZE with exact masks.
+    Tests read it as it is, or change a copy of it."""
+    return make_shapes(tmp_path_factory.mktemp("shapes"), N_IMAGES, SIZE)
+
+
+@pytest.fixture(scope="session")
+def mixed_shapes(tmp_path_factory):
+    """N_MIXED shapes whose heights and widths are each one of MIXED_SIZES: for bucket_by_size."""
+    return make_shapes(tmp_path_factory.mktemp("mixed_shapes"), N_MIXED, MIXED_SIZES)
+
+
+@pytest.fixture(scope="session")
+def unet():
+    """recipes/unet.py as a module, for its Config and data functions."""
+    return load_recipe("unet")
+
+
+@pytest.fixture(scope="session")
+def trained_unet(shapes, tmp_path_factory):
+    """One single-process `python recipes/unet.py` run on `shapes`, 10 epochs: (its output folder,
+    its Result). Tests check the run, and evaluate and predict with its weights."""
+    out = tmp_path_factory.mktemp("unet_1p")
+    res = launch(
+        ["recipes/unet.py", "--dataset", shapes, "--output_dir", out, "--epochs", 10, *FAST],
+        launcher="python",
+        env=ONE_THREAD,
+    )
+    assert_ok(res)
+    return out, res
 
 
 @pytest.fixture(scope="session", autouse=True)

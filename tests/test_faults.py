@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, REPO, assert_ok, free_port, launch, make_shapes, read_metrics
+from conftest import BIN, REPO, assert_ok, free_port, launch, read_metrics
 from safetensors.torch import load_file
 
 UNET_ARGS = [
@@ -46,11 +46,6 @@ MNIST_ARGS = [
     "--epochs",
     200,
 ]
-
-
-@pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    return make_shapes(tmp_path_factory.mktemp("shapes"), 73, 48)
 
 
 def command(launcher, nproc, args):
@@ -113,7 +108,8 @@ def interrupt(cmd, out_dir, sig, to_group, env=None, in_first_epoch=False):
 
 
 def stopped_step(out, out_dir, nproc):
-    """The step the run stopped at, after checking that it said so and checkpointed on every rank."""
+    """The step the run stopped at, after checking that it said so and checkpointed on every
+    rank."""
     assert (
         "stopped at step" in out
         and "exited unexpectedly" not in out

@@ -3,14 +3,9 @@
 import pytest
 import torch
 import yaml
-from conftest import REPO, assert_ok, launch, make_shapes
+from conftest import REPO, assert_ok, launch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    return make_shapes(tmp_path_factory.mktemp("shapes"), 24, 48)
 
 
 def test_fetching_a_training_batch_never_waits_for_the_gpu(tiny_mnist, shapes):

@@ -1,7 +1,5 @@
 """The MNIST recipe, launched as users launch it, on tiny real-digit data."""
 
-import contextlib
-import difflib
 import gc
 import json
 import uuid
@@ -9,7 +7,7 @@ import uuid
 import pytest
 import torch
 import yaml
-from conftest import N_TEST, N_TRAIN, REPO, assert_ok, launch, read_metrics
+from conftest import N_TEST, N_TRAIN, assert_ok, copy_with_tiny_model, launch, read_metrics
 from safetensors.torch import load_file
 
 RECIPE = "recipes/mnist.py"
@@ -217,59 +215,8 @@ def test_torchrun_runs_real_ddp(tiny_mnist, tmp_path):
     assert row["world_size"] == 2 and row["eval_samples"] == N_TEST
 
 
-TINY_MODEL = """
-class TinyNet(nn.Module):  # the user's own model
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(28 * 28, 10)
-
-    def forward(self, x):
-        return self.fc(torch.flatten(x, 1))
-
-"""
-
-
-@contextlib.contextmanager
-def copy_with_tiny_model():
-    """recipes/mnist.py copied as README "Make your own recipe" says, with BasicNet swapped for TinyNet."""
-    original = (REPO / RECIPE).read_text()
-    assert original.count("model = BasicNet()") == 1
-    source = original.replace("# ADAPT: your model.", TINY_MODEL + "# ADAPT: your model.")
-    source = source.replace("model = BasicNet()", "model = TinyNet()")
-    # One line of the recipe changes, besides the model added (README: Make your own recipe).
-    assert (
-        sum(
-            line.startswith("- ")
-            for line in difflib.ndiff(original.splitlines(), source.splitlines())
-        )
-        == 1
-    )
-    copy = REPO / "recipes" / f"my_recipe_{uuid.uuid4().hex[:8]}.py"
-    copy.write_text(source)
-    try:
-        yield copy
-    finally:
-        copy.unlink()
-
-
 @pytest.mark.slow
-def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
-    with copy_with_tiny_model() as copy:
-        one = launch(
-            [copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "one", "--smoke"],
-            launcher="python",
-        )
-        two = launch(
-            [copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "two", "--smoke"], nproc=2
-        )
-    for res, out in ((one, "one"), (two, "two")):
-        assert_ok(res)
-        assert read_metrics(tmp_path / out)[0]["eval_samples"] == N_TEST
-        assert set(load_file(tmp_path / out / "model.safetensors")) == {"fc.weight", "fc.bias"}
-
-
-@pytest.mark.slow
-def test_gradient_accumulation_counts_optimizer_steps_and_a_short_last_group_steps_with_the_mean_gradient(
+def test_accumulation_counts_optimizer_steps_and_a_short_last_group_steps_with_the_mean_gradient(
     tiny_mnist, tmp_path
 ):
     # 256 samples in batches of 32, accumulated 3 at a time, are groups of 3, 3 and 2 batches:

@@ -51,7 +51,8 @@ def train(data, out, *args, nproc=1):
 
 @pytest.fixture(scope="module")
 def straight(tiny_mnist, tmp_path_factory):
-    """13 steps on one process (8 an epoch), with checkpoints at steps 5, 8 (the end of epoch 1), 10 and 13."""
+    """13 steps on one process (8 an epoch), with checkpoints at steps 5, 8 (the end of epoch 1),
+    10 and 13."""
     out = tmp_path_factory.mktemp("straight")
     train(
         tiny_mnist, out, "--max_steps", 13, "--checkpoint_every_steps", 5, "--keep_checkpoints", 5
@@ -151,7 +152,7 @@ def test_a_compiled_ddp_model_resumes_exactly_evaluates_every_sample_and_saves_p
     # accelerate_configs/1gpu_cudagraphs.yaml, on 2 processes, so Accelerate compiles the
     # DDP-wrapped model. The CPU compiles without CUDA graphs (mode reduce-overhead then builds
     # what the default mode builds), but the config must load and the step stay exact. The
-    # default mode's lines (compile_config) are launched by test_unet.py's compile probe.
+    # default mode's lines (compile_config) are launched by test_unet_training.py's compile probe.
     shipped = yaml.safe_load((REPO / "accelerate_configs" / "1gpu_cudagraphs.yaml").read_text())
     config = tmp_path / "cudagraphs-2proc.yaml"
     two = yaml.safe_load((REPO / "accelerate_configs" / "2gpu.yaml").read_text())
@@ -199,7 +200,8 @@ def test_keep_last_checkpoints_and_ignore_unfinished_writes(tiny_mnist, tmp_path
     )
     ckpts = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000004", "step-00000006"]
-    # Going on from the older one here would let step-6 outrank (and keep_checkpoints delete) the new ones.
+    # Going on from the older one here would let step-6 outrank (and keep_checkpoints delete) the
+    # new ones.
     with pytest.raises(UserError, match="is older than step-00000006 in the same folder"):
         choose_checkpoint(str(ckpts / "step-00000004"), ckpts)
     # What a run killed while writing step 8 leaves behind: a temporary folder, half written.

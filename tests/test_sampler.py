@@ -1,11 +1,10 @@
-"""The bucketing batch sampler (common/sampler.py) and the deterministic switch (common/determinism.py).
+"""The bucketing batch sampler (common/sampler.py).
 
 Most tests build one BucketBatchSampler per simulated rank in this process; the last one
 launches tests/bucket_probe.py on 1 and 2 real processes (gloo DDP on the CPU)."""
 
 import itertools
 import json
-import os
 from collections import Counter
 
 import numpy as np
@@ -13,7 +12,6 @@ import pytest
 import torch
 from conftest import assert_ok, launch
 
-from common.determinism import set_deterministic
 from common.sampler import BucketBatchSampler
 
 BUDGET = 4096
@@ -147,42 +145,6 @@ def test_bad_input_is_rejected():
     for sizes in ([], [(3, 4, 5)], [(3, 4), (0, 2)], [2.5]):
         with pytest.raises(ValueError, match="sizes"):
             BucketBatchSampler(sizes, BUDGET)
-
-
-@pytest.fixture
-def restore_determinism():
-    saved = (
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.backends.cudnn.deterministic,
-        torch.backends.cudnn.benchmark,
-        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None),
-    )
-    yield
-    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
-    os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    if saved[4] is not None:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved[4]
-
-
-def test_deterministic_mode_sets_the_flags(restore_determinism):
-    set_deterministic(True)
-    assert torch.are_deterministic_algorithms_enabled()
-    assert not torch.is_deterministic_algorithms_warn_only_enabled()
-    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
-    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-    set_deterministic(False)
-    assert not torch.are_deterministic_algorithms_enabled()
-    assert not torch.backends.cudnn.deterministic and torch.backends.cudnn.benchmark
-    set_deterministic(False, benchmark=False)  # what the U-Net's bucket_by_size asks for
-    assert not torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
-
-
-def test_deterministic_mode_keeps_a_workspace_setting_of_the_user(restore_determinism):
-    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
-    set_deterministic(True)
-    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Experiment trackers. The TensorBoard scalars of a 2-process MNIST run are read back in
-test_ema_and_early_stop.py (its early-stopping run), the U-Net's panels in test_unet.py."""
+test_ema_and_early_stop.py (its early-stopping run), the U-Net's panels in
+test_unet_training.py."""
 
 import pytest
 from conftest import launch

@@ -1,14 +1,18 @@
-"""Predict on images of any size (predict_tile) and with flips (predict_flip), with a tiny U-Net
-trained at its images' own size: the recipe launched as users launch it, on generated shapes."""
+"""Predict with the U-Net recipe, launched as users launch it, on generated shapes: masks at each
+image's own size in the mask values, one line that says why where weights do not fit, and images
+of any size (predict_tile) and with flips (predict_flip) from a tiny U-Net trained at its images'
+own size."""
 
+import json
 import re
+import shutil
 import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, assert_ok, launch, make_shapes
+from conftest import ONE_THREAD, REPO, SIZE, VALUES, assert_ok, launch, make_shapes
 from PIL import Image
 from recipe_module import load_recipe
 from unet_predict import SegmentationWeights, segment, tiled
@@ -16,7 +20,142 @@ from unet_predict import SegmentationWeights, segment, tiled
 from common.config import ConfigError, UserError, parse_config
 
 RECIPE = "recipes/unet.py"
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+# ---- Masks from the weights of the shared run (trained_unet) ----
+
+
+@pytest.mark.slow
+def test_predict_writes_masks_at_the_original_size_in_mask_values(trained_unet, shapes, tmp_path):
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    Image.open(shapes / "imgs" / "shape_0001.png").resize((61, 37)).save(inputs / "a.png")
+    grey = Image.open(shapes / "imgs" / "shape_0002.png").resize((100, 80)).convert("L")
+    grey.save(inputs / "b.png")
+    Image.open(shapes / "imgs" / "shape_0003.png").save(inputs / "c.jpg")
+    shutil.copy(shapes / "imgs" / "shape_0000.png", inputs / "d.png")
+    sizes = {"a": (61, 37), "b": (100, 80), "c": (SIZE, SIZE), "d": (SIZE, SIZE)}
+    res = launch(
+        [
+            RECIPE,
+            "--predict",
+            f"{inputs}/*",
+            "--weights",
+            trained_unet[0] / "model.safetensors",
+            "--predict_dir",
+            tmp_path / "out",
+            "--overlay",
+            "--eval_batch_size",
+            3,
+        ],
+        nproc=2,
+    )
+    assert_ok(res)
+    assert "wrote 4 masks" in res.output
+    for name, size in sizes.items():
+        mask = Image.open(tmp_path / "out" / f"{name}_mask.png")
+        assert mask.size == size and mask.mode == "L"
+        assert set(np.unique(np.asarray(mask)).tolist()) <= VALUES
+        assert Image.open(tmp_path / "out" / f"{name}_overlay.png").size == size
+    # On an image from the data, the mask must be close to the true one, in the same values.
+    pred = np.asarray(Image.open(tmp_path / "out" / "d_mask.png"))
+    true = np.asarray(Image.open(shapes / "masks" / "shape_0000_mask.png"))
+    assert (pred == true).mean() > 0.9 and (pred[true > 0] > 0).mean() > 0.5
+
+
+@pytest.mark.slow
+def test_weights_saved_with_one_key_per_setting_say_to_train_again(trained_unet, shapes, tmp_path):
+    # The metadata of weights files written before the settings became one JSON entry, which
+    # predict no longer reads: one line that says so, not a traceback or a wrong model.
+    from safetensors.torch import load_file, save_file
+
+    old = tmp_path / "old.safetensors"
+    save_file(
+        load_file(trained_unet[0] / "model.safetensors"),
+        old,
+        metadata={
+            "recipe": "unet",
+            "mask_values": "0,85,170,255",
+            "num_classes": "4",
+            "base_channels": "16",
+            "bilinear": "False",
+            "input_size": f"{SIZE},{SIZE}",
+        },
+    )
+    res = launch(
+        [
+            RECIPE,
+            "--predict",
+            shapes / "imgs" / "shape_0000.png",
+            "--weights",
+            old,
+            "--predict_dir",
+            tmp_path,
+        ],
+        launcher="python",
+    )
+    assert res.returncode == 2 and res.output.strip().splitlines() == [
+        f"error: {old} stores its settings one key each, an old format that this recipe no "
+        f"longer reads: train the model again to save it anew"
+    ], res
+
+
+@pytest.mark.slow
+def test_weights_written_before_in_channels_was_stored_take_rgb(trained_unet, shapes, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    weights = trained_unet[0] / "model.safetensors"
+    stored = json.loads(SegmentationWeights.read(weights).metadata()["segmentation"])
+    del stored["model"]["in_channels"]
+    old = tmp_path / "old.safetensors"
+    save_file(load_file(weights), old, {"segmentation": json.dumps(stored)})
+    assert SegmentationWeights.read(old).in_channels == 3
+    Image.open(shapes / "imgs" / "shape_0000.png").convert("L").save(tmp_path / "grey.png")
+    res = launch(
+        [RECIPE, "--predict", tmp_path / "grey.png", "--weights", old, "--predict_dir", tmp_path],
+        launcher="python",
+    )
+    assert_ok(res)
+    assert Image.open(tmp_path / "grey_mask.png").size == (SIZE, SIZE)
+
+
+@pytest.mark.slow
+def test_weights_that_do_not_fit_say_why_in_one_short_line(trained_unet, unet, tmp_path):
+    # What main() calls with --weights, before and after the data; the launch of
+    # test_weights_saved_with_one_key_per_setting_say_to_train_again shows such a line printed.
+    from safetensors.torch import save_file
+    from unet_predict import fit_to_weights
+
+    from common.checkpoint import load_weights
+    from common.config import UserError
+
+    weights = trained_unet[0] / "model.safetensors"
+    cfg = unet.Config(weights=str(weights))  # base_channels 64, the default
+    with pytest.raises(UserError) as e:
+        fit_to_weights(cfg, SegmentationWeights.read(weights), unet.MODEL_SETTINGS)
+    assert (
+        str(e.value)
+        == f"{weights} was trained with base_channels 16, not 64: add --base_channels 16"
+    )
+    # Another recipe's weights: no settings stored, and none of the tensors fit.
+    save_file({"fc.weight": torch.zeros(10, 784)}, tmp_path / "other.safetensors")
+    assert SegmentationWeights.read(tmp_path / "other.safetensors") is None
+    model = unet.build_model(
+        {
+            **{name: getattr(cfg, name) for name in unet.MODEL_SETTINGS},
+            "in_channels": 3,
+            "num_classes": 4,
+        }
+    )
+    with pytest.raises(UserError) as e:
+        load_weights(model, tmp_path / "other.safetensors")
+    assert "118 of the model's 118 tensors are missing, such as " in str(e.value)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400
+
+
+# ---- Tiles and flips ----
+
+
 # Peak RSS of predict on a 2048x2048 image less that on a 64x64 one, with base_channels 8: 976 MiB
 # for the whole image, 72 MiB with 256-pixel tiles (docs/unet.md). The bound sits between the two.
 TILED_MB = 400

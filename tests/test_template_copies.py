@@ -1,0 +1,189 @@
+"""Copies of the recipes made as README "Make your own recipe" says, with their own model (and
+for grey images their own loss): each changes only the lines the README counts, trains on 1 and
+2 processes, and a U-Net copy predicts."""
+
+import numpy as np
+import pytest
+from conftest import (
+    FAST,
+    N_TEST,
+    N_VAL,
+    ONE_THREAD,
+    REPO,
+    SIZE,
+    VALUES,
+    assert_ok,
+    copy_with_tiny_model,
+    launch,
+    read_metrics,
+)
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+from unet_predict import SegmentationWeights
+
+RECIPE = "recipes/unet.py"
+
+
+# ---- MNIST ----
+
+
+@pytest.mark.slow
+def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
+    with copy_with_tiny_model() as copy:
+        one = launch(
+            [copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "one", "--smoke"],
+            launcher="python",
+        )
+        two = launch(
+            [copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "two", "--smoke"], nproc=2
+        )
+    for res, out in ((one, "one"), (two, "two")):
+        assert_ok(res)
+        assert read_metrics(tmp_path / out)[0]["eval_samples"] == N_TEST
+        assert set(load_file(tmp_path / out / "model.safetensors")) == {"fc.weight", "fc.bias"}
+
+
+# ---- U-Net ----
+
+
+TINY_SEGMENTER = """
+class TinySegmenter(torch.nn.Module):  # the user's own model: a few convolutions, no U
+    def __init__(self, in_channels, num_classes, base_channels):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(in_channels, base_channels, 3, padding=1),
+            torch.nn.BatchNorm2d(base_channels), torch.nn.ReLU(),
+            torch.nn.Conv2d(base_channels, num_classes, 1))
+
+    def forward(self, x):
+        return self.body(x)
+
+"""
+UNET_CHANGED_LINES = 2  # README "Make your own recipe" states this number
+
+
+def changed_lines(original, copy):
+    """How many lines of `original` the copy changed or removed (added lines not counted)."""
+    import difflib
+
+    diff = difflib.ndiff(original.splitlines(), copy.splitlines())
+    return sum(line.startswith("- ") for line in diff)
+
+
+@pytest.mark.slow
+def test_a_unet_copy_with_its_own_model_trains_on_1_and_2_processes_and_predicts(shapes, tmp_path):
+    original = (REPO / RECIPE).read_text()
+    marker = "# ADAPT: your model: the Config fields that build it"
+    source = original.replace(marker, TINY_SEGMENTER + marker)
+    source = source.replace(
+        'MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels", "bilinear")',
+        'MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels")',
+    )
+    source = source.replace("    return UNet(**settings)", "    return TinySegmenter(**settings)")
+    assert changed_lines(original, source) == UNET_CHANGED_LINES
+    copy = REPO / "recipes" / f"my_segmenter_{tmp_path.name[-8:]}.py"
+    copy.write_text(source)
+    try:
+        args = [copy, "--dataset", shapes, *FAST, "--base_channels", 8, "--smoke"]
+        one = launch([*args, "--output_dir", tmp_path / "one"], launcher="python", env=ONE_THREAD)
+        two = launch([*args, "--output_dir", tmp_path / "two"], nproc=2, env=ONE_THREAD)
+        weights = tmp_path / "two" / "model.safetensors"
+        predicted = launch(
+            [
+                copy,
+                "--predict",
+                shapes / "imgs" / "shape_0000.png",
+                "--weights",
+                weights,
+                "--predict_dir",
+                tmp_path / "masks",
+            ],
+            launcher="python",
+        )
+    finally:
+        copy.unlink()
+    for res, out in ((one, "one"), (two, "two")):
+        assert_ok(res)
+        assert read_metrics(tmp_path / out)[0]["eval_samples"] == N_VAL
+    assert SegmentationWeights.read(weights).model == {
+        "in_channels": 3,
+        "num_classes": 4,
+        "base_channels": 8,
+    }
+    with safe_open(weights, "pt") as f:
+        assert {k.split(".")[0] for k in f.keys()} == {"body"}  # the copy's model, not the U-Net
+    assert_ok(predicted)
+    mask = Image.open(tmp_path / "masks" / "shape_0000_mask.png")
+    assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= VALUES
+
+
+GREY_LOSS = """def loss_per_image(logits, target, num_classes):  # cross-entropy, padding left out
+    ce = F.cross_entropy(logits.float(), target, ignore_index=IGNORE, reduction="none")
+    return ce.sum((1, 2)) / (target != IGNORE).sum((1, 2)).clamp(min=1)
+"""
+GREY_CHANGED_LINES = 16  # input_channels' line and the 15 lines of the recipe's loss
+
+
+@pytest.mark.slow
+def test_a_unet_copy_for_grey_images_with_its_own_loss_trains_and_predicts(shapes, tmp_path):
+    # What a user with 1-channel images of 3 classes changes: in the copied recipe only.
+    original = (REPO / RECIPE).read_text()
+    start = original.index("def loss_per_image(")
+    source = original[:start] + GREY_LOSS + original[original.index("\n\n\n", start) + 1 :]
+    # Read every image as grey, even one saved as RGB.
+    source = source.replace(
+        '    return 1 if mode in ("1", "L", "I", "I;16", "F") else 4 if mode in '
+        '("RGBA", "LA", "PA") else 3',
+        "    return 1",
+    )
+    assert changed_lines(original, source) == GREY_CHANGED_LINES
+    root = tmp_path / "grey"  # grey images, with one left in RGB, and 3 classes: 255 joins 170
+    for folder in ("imgs", "masks"):
+        (root / folder).mkdir(parents=True)
+    for i, path in enumerate(sorted((shapes / "imgs").glob("*.png"))):
+        Image.open(path).convert("RGB" if i == 5 else "L").save(root / "imgs" / path.name)
+    for path in (shapes / "masks").glob("*.png"):
+        mask = np.asarray(Image.open(path))
+        merged = np.where(mask == 255, 170, mask).astype(np.uint8)
+        Image.fromarray(merged).save(root / "masks" / path.name)
+    copy = REPO / "recipes" / f"my_grey_{tmp_path.name[-8:]}.py"
+    copy.write_text(source)
+    try:
+        res = launch(
+            [
+                copy,
+                "--dataset",
+                root,
+                *FAST,
+                "--base_channels",
+                8,
+                "--smoke",
+                "--output_dir",
+                tmp_path / "out",
+            ],
+            launcher="python",
+            env=ONE_THREAD,
+        )
+        weights = tmp_path / "out" / "model.safetensors"
+        predicted = launch(
+            [
+                copy,
+                "--predict",
+                shapes / "imgs" / "shape_0000.png",
+                "--weights",
+                weights,
+                "--predict_dir",
+                tmp_path / "masks",
+            ],
+            launcher="python",
+        )
+    finally:
+        copy.unlink()
+    assert_ok(res)
+    assert "; L images; " in res.output and "classes: mask values 0,85,170;" in res.output, res
+    stored = SegmentationWeights.read(weights)
+    assert stored.model["in_channels"] == 1 and stored.model["num_classes"] == 3
+    assert_ok(predicted)  # an RGB image, read in the weights' 1 channel
+    mask = Image.open(tmp_path / "masks" / "shape_0000_mask.png")
+    assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= {0, 85, 170}

@@ -1,0 +1,573 @@
+"""Training the U-Net recipe, launched as users launch it, on shapes made by
+scripts/make_shapes.py: what a run learns and writes on 1 and 2 processes, exact evaluation, the
+schedule, bit-identical resume, bucket_by_size, the images' channels, and bad settings."""
+
+import json
+import math
+import re
+import shutil
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import (
+    FAST,
+    LR,
+    N_IMAGES,
+    N_MIXED_VAL,
+    N_VAL,
+    ONE_THREAD,
+    SIZE,
+    VAL_FRACTION,
+    VALUES,
+    assert_ok,
+    compile_config,
+    launch,
+    read_metrics,
+)
+from PIL import Image
+from safetensors import safe_open
+from unet_predict import SegmentationWeights
+
+from common.config import ConfigError, parse_config
+from common.data import DataError
+from common.schedule import fit_cosine
+
+RECIPE = "recipes/unet.py"
+N_TRAIN = N_IMAGES - N_VAL  # the training images of `shapes`
+
+
+# ---- Training and exact evaluation on 1 and 2 processes ----
+
+
+def all_background_dice(mask_dir):
+    """The Dice of predicting background everywhere: the share of absent foreground classes."""
+    masks = [set(np.unique(np.asarray(Image.open(p))).tolist()) for p in mask_dir.glob("*.png")]
+    return float(np.mean([len(VALUES - m) / 3 for m in masks]))
+
+
+@pytest.mark.slow
+def test_single_process_learns_and_writes_the_output_contract(trained_unet, shapes):
+    out, res = trained_unet
+    rows = read_metrics(out)
+    assert [r["epoch"] for r in rows] == list(range(1, 11))
+    assert {
+        "epoch",
+        "step",
+        "world_size",
+        "lr",
+        "train_loss",
+        "train_samples_per_s",
+        "dice",
+        "eval_loss",
+        "eval_samples",
+    } <= rows[-1].keys()
+    assert rows[-1]["world_size"] == 1 and rows[-1]["eval_samples"] == N_VAL
+    assert rows[-1]["step"] == 10 * math.ceil(N_TRAIN / 8)
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    assert all_background_dice(shapes / "masks") < 0.6  # the best a model that learned nothing does
+    assert rows[-1]["dice"] > 0.85, rows  # 0.94 to 0.98 with seeds 0 to 5
+    assert yaml.safe_load((out / "config.yaml").read_text())["base_channels"] == 16
+    # num_classes was left at 0: one class per mask value found. The weights file stores it, typed.
+    stored = SegmentationWeights.read(out / "model.safetensors")
+    assert stored.model == {
+        "in_channels": 3,
+        "num_classes": 4,
+        "base_channels": 16,
+        "bilinear": False,
+    }
+    assert stored.mask_values == [0, 85, 170, 255] and stored.input_size == [SIZE, SIZE]
+    assert yaml.safe_load((out / "config.yaml").read_text())["num_classes"] == 4
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert "outc.weight" in keys and not any(k.startswith("module.") for k in keys)
+    assert "classes: mask values 0,85,170,255" in res.output and f"outputs in {out}/" in res.output
+    assert f"; fused AdamW lr {LR:g};" in res.output  # a CPU has the fused kernels (make_optimizer)
+    # channels_last auto is off on a CPU; these images fit the cache (cache_images auto).
+    assert (
+        "; channels_last off (auto); images decoded once, 1 MB in cpu memory; 59 train"
+        in res.output
+    )
+    config = yaml.safe_load((out / "config.yaml").read_text())  # as resolved, not "auto"
+    assert (config["channels_last"], config["cache_images"]) == (False, True)
+
+
+@pytest.mark.slow
+def test_two_processes_exact_eval_count_lr_schedule_and_tensorboard_panels(shapes, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    res = launch(
+        [
+            RECIPE,
+            "--dataset",
+            shapes,
+            "--output_dir",
+            tmp_path,
+            "--epochs",
+            2,
+            "--batch_size",
+            4,
+            "--channels_last",
+            "true",
+            *FAST,
+            "--log_with",
+            "tensorboard",
+            "--log_every",
+            2,
+        ],
+        nproc=2,
+    )
+    assert_ok(res)
+    assert "2 process(es) on cpu, gloo" in res.output and "; channels_last on; " in res.output
+    # PyTorch's SyncBatchNorm has no CPU kernels; the start-up line says what each run uses.
+    assert "BatchNorm per process (SyncBatchNorm needs GPUs)" in res.output
+    rows = read_metrics(tmp_path)
+    steps = math.ceil(math.ceil(N_TRAIN / 4) / 2)  # batches of 4, shared by 2 processes
+    assert [r["eval_samples"] for r in rows] == [N_VAL, N_VAL]
+    assert [r["step"] for r in rows] == [steps, 2 * steps] and rows[0]["world_size"] == 2
+    # Cosine over 2 epochs: half way, half the lr. A scheduler stepped once per process: at 0.
+    assert rows[1]["lr"] == pytest.approx(LR * 0.5 * (1 + math.cos(math.pi * steps / (2 * steps))))
+    # TensorBoard: scalars and image panels at the evaluations' steps, from the main process alone.
+    (events,) = (tmp_path / "unet").glob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events), size_guidance={"images": 10})
+    acc.Reload()
+    assert {"train/loss", "eval/dice"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("eval/dice")] == [r["step"] for r in rows]
+    images = acc.Images("eval/image_prediction_truth")
+    assert [e.step for e in images] == [r["step"] for r in rows]
+    assert images[0].width == 4 * 3 * images[0].height  # 4 of image | prediction | truth, in a row
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm runs on GPUs only")
+def test_two_gpus_use_syncbatchnorm(shapes, tmp_path):
+    res = launch([RECIPE, "--dataset", shapes, "--output_dir", tmp_path, "--smoke", *FAST], nproc=2)
+    assert_ok(res)
+    assert "; SyncBatchNorm;" in res.output
+
+
+@pytest.mark.slow
+def test_eval_is_the_same_on_one_and_two_processes(trained_unet, shapes, tmp_path):
+    weights = trained_unet[0] / "model.safetensors"
+    results = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"eval{nproc}"
+        res = launch(
+            [
+                RECIPE,
+                "--dataset",
+                shapes,
+                "--output_dir",
+                out,
+                "--eval_only",
+                "--weights",
+                weights,
+                *FAST,
+            ],
+            nproc=nproc,
+            env=ONE_THREAD,
+        )
+        assert_ok(res)
+        (results[nproc],) = read_metrics(out)
+    assert results[1]["eval_samples"] == results[2]["eval_samples"] == N_VAL
+    assert results[1]["dice"] == pytest.approx(read_metrics(trained_unet[0])[-1]["dice"], abs=1e-6)
+    # The batches differ, not the images.
+    assert results[2]["dice"] == pytest.approx(results[1]["dice"], abs=1e-3)
+
+
+# ---- The schedule ----
+
+
+@pytest.mark.slow
+def test_the_cosine_schedule_refits_when_a_resume_changes_the_process_count(shapes, tmp_path):
+    args = [
+        RECIPE,
+        "--dataset",
+        shapes,
+        "--output_dir",
+        tmp_path,
+        *FAST,
+        "--base_channels",
+        8,
+        "--batch_size",
+        8,
+        "--epochs",
+        2,
+    ]
+    per_epoch = math.ceil(N_TRAIN / 8)  # optimizer steps per epoch on 1 process; half as many on 2
+    half = per_epoch // 2
+    assert_ok(launch([*args, "--max_steps", half], nproc=2))  # the end of epoch 1 on 2 processes
+
+    def schedule(step):
+        state = tmp_path / "checkpoints" / f"step-{step:08d}" / "trainer_state.json"
+        return json.loads(state.read_text())["scheduler"]
+
+    # max_steps stops the run but does not shorten the schedule: half way through it, half the lr.
+    assert schedule(half)["T_max"] == 2 * half
+    assert schedule(half)["_last_lr"][0] == pytest.approx(LR / 2)
+    # Epoch 2 on 1 process: the cosine now ends half + per_epoch steps in (not 2 * half, where a
+    # schedule restored as saved would stop), and the lr moves onto that curve.
+    res = launch([*args, "--resume", "latest"], launcher="python", env=ONE_THREAD)
+    assert_ok(res)
+    assert f"(epoch 2, step {half})" in res.output
+    last = half + per_epoch
+    lr = read_metrics(tmp_path)[-1]["lr"]
+    assert lr == pytest.approx(LR * (1 + math.cos(math.pi * half / last)) / 2)
+    assert schedule(last)["T_max"] == last
+    assert schedule(last)["_last_lr"][0] == pytest.approx(0, abs=1e-12)
+
+
+def test_a_resume_with_the_same_plan_leaves_the_cosine_alone_after_skipped_fp16_steps(unet):
+    # fp16's gradient scaler skips a few steps, and the recipe does not step the schedule on
+    # those: its count then trails the optimizer steps. Resuming with the same epochs must
+    # still continue the saved curve, not refit it.
+    cfg = unet.Config(epochs=2)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1)
+    fit_cosine(scheduler, cfg, SimpleNamespace(epoch=1, batches_done=0, step=0), steps_per_epoch=10)
+    assert scheduler.T_max == 20 and optimizer.param_groups[0]["lr"] == 1.0
+    for step in range(1, 11):
+        optimizer.step()
+        if step > 2:  # steps 1 and 2 were skipped
+            scheduler.step()
+    saved, lr = scheduler.state_dict(), optimizer.param_groups[0]["lr"]
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1)
+    scheduler.load_state_dict(saved)
+    fit_cosine(
+        scheduler, cfg, SimpleNamespace(epoch=2, batches_done=0, step=10), steps_per_epoch=10
+    )
+    assert scheduler.T_max == 20 and optimizer.param_groups[0]["lr"] == lr
+    # Three epochs instead of two: the curve now ends 20 steps on, where its count will be.
+    fit_cosine(
+        scheduler,
+        unet.Config(epochs=3),
+        SimpleNamespace(epoch=2, batches_done=0, step=10),
+        steps_per_epoch=10,
+    )
+    assert scheduler.T_max == 8 + 20
+    assert optimizer.param_groups[0]["lr"] == pytest.approx((1 + math.cos(math.pi * 8 / 28)) / 2)
+
+
+# ---- Stop and resume, bit-identical ----
+
+
+def assert_resume_is_bit_identical(args, out, stop_at, steps, nproc=1):
+    """Training `steps` steps straight and resuming from its checkpoint at step `stop_at` (a
+    mid-epoch one, written as a stop writes it) to `steps` give the same weights."""
+    from safetensors.torch import load_file
+
+    assert_ok(
+        launch(
+            [
+                *args,
+                "--output_dir",
+                out / "straight",
+                "--max_steps",
+                steps,
+                "--checkpoint_every_steps",
+                stop_at,
+                "--keep_checkpoints",
+                10,
+            ],
+            nproc=nproc,
+            env=ONE_THREAD,
+        )
+    )
+    name = f"step-{stop_at:08d}"
+    shutil.copytree(out / "straight" / "checkpoints" / name, out / "split" / "checkpoints" / name)
+    res = launch(
+        [*args, "--output_dir", out / "split", "--max_steps", steps, "--resume", "latest"],
+        nproc=nproc,
+        env=ONE_THREAD,
+    )
+    assert_ok(res)
+    assert f"(epoch 1, step {stop_at})" in res.output
+    a, b = (load_file(out / d / "model.safetensors") for d in ("straight", "split"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("cache, nproc, stop_at, steps", [("false", 1, 5, 12), ("true", 2, 3, 8)])
+def test_stop_and_resume_is_bit_identical_with_crops_and_flips(
+    shapes, tmp_path, cache, nproc, stop_at, steps
+):
+    # Augmentation is seeded per (seed, epoch, sample), so with 2 (persistent) workers decoding,
+    # or from the cache, on 1 process or 2, a resumed run sees the same crops and flips as an
+    # uninterrupted one, across an epoch end (8 steps an epoch on 1 process, 4 on 2).
+    args = [
+        RECIPE,
+        "--dataset",
+        shapes,
+        *FAST,
+        "--num_workers",
+        2,
+        "--base_channels",
+        8,
+        "--epochs",
+        2,
+        "--batch_size",
+        8,
+        "--crop_size",
+        32,
+        "--vflip",
+        0.5,
+        "--cache_images",
+        cache,
+    ]
+    assert_resume_is_bit_identical(args, tmp_path, stop_at=stop_at, steps=steps, nproc=nproc)
+    # config.yaml records the settings as the run resolved them: channels_last auto is off on CPUs.
+    config = yaml.safe_load((tmp_path / "straight" / "config.yaml").read_text())
+    assert (config["channels_last"], config["cache_images"]) == (False, cache == "true")
+
+
+# ---- bucket_by_size: each image trained and evaluated at its own size ----
+
+
+@pytest.mark.slow
+def test_bucketed_eval_and_saving_leave_a_compiled_ddp_model_whole(mixed_shapes, tmp_path):
+    res = launch(
+        ["tests/compile_probe.py", mixed_shapes, tmp_path, VAL_FRACTION],
+        nproc=2,
+        config=compile_config(tmp_path),
+        env=ONE_THREAD,
+    )
+    assert_ok(res)
+    assert res.output.count("compiled DDP model whole") == 2, res
+    # Both ranks report the reduced count: every validation image exactly once.
+    assert re.findall(r"whole; (\d+) images evaluated", res.output) == [str(N_MIXED_VAL)] * 2, res
+
+
+@pytest.mark.slow
+def test_bucket_by_size_on_two_processes_trains_and_evaluates_every_image_once(
+    mixed_shapes, tmp_path
+):
+    args = [
+        RECIPE,
+        "--dataset",
+        mixed_shapes,
+        *FAST,
+        "--bucket_by_size",
+        "true",
+        "--base_channels",
+        8,
+    ]
+    res = launch(
+        [
+            *args,
+            "--output_dir",
+            tmp_path / "train",
+            "--epochs",
+            2,
+            "--batch_size",
+            2,
+            "--num_workers",
+            2,
+        ],
+        nproc=2,
+        env=ONE_THREAD,
+    )
+    assert_ok(res)
+    # The start-up line and config.yaml give the pixel budget in use, not "batch 2 per process".
+    assert f"batches of at most {2 * 96 * 96} padded pixels per process" in res.output, res
+    assert "validation images of their own sizes" in res.output
+    assert "batch 2 per process" not in res.output
+    config = yaml.safe_load((tmp_path / "train" / "config.yaml").read_text())
+    assert config["max_batch_pixels"] == 2 * 96 * 96
+    rows = read_metrics(tmp_path / "train")
+    assert [r["eval_samples"] for r in rows] == [N_MIXED_VAL, N_MIXED_VAL]
+    assert rows[0]["world_size"] == 2
+    # One process, the same weights: the same batches of the same images, so the same Dice.
+    weights = tmp_path / "train" / "model.safetensors"
+    # Predict: each image at its own size.
+    assert SegmentationWeights.read(weights).input_size is None
+    res = launch(
+        [*args, "--output_dir", tmp_path / "eval", "--eval_only", "--weights", weights],
+        launcher="python",
+        env=ONE_THREAD,
+    )
+    assert_ok(res)
+    (row,) = read_metrics(tmp_path / "eval")
+    assert row["eval_samples"] == N_MIXED_VAL
+    assert row["dice"] == pytest.approx(rows[-1]["dice"], abs=1e-9)
+    # Predict keeps each image at its own size too.
+    odd = Image.open(next((mixed_shapes / "imgs").glob("*.png"))).resize((61, 37))
+    odd.save(tmp_path / "odd.png")
+    assert_ok(
+        launch(
+            [
+                RECIPE,
+                "--predict",
+                tmp_path / "odd.png",
+                "--weights",
+                weights,
+                "--predict_dir",
+                tmp_path / "out",
+            ],
+            launcher="python",
+        )
+    )
+    assert Image.open(tmp_path / "out" / "odd_mask.png").size == (61, 37)
+
+
+@pytest.mark.slow
+def test_bucket_by_size_resumes_bit_identically(mixed_shapes, tmp_path):
+    # Decoded by 2 workers (the two-process test above reads them from the cache), flipped.
+    args = [
+        RECIPE,
+        "--dataset",
+        mixed_shapes,
+        *FAST,
+        "--bucket_by_size",
+        "true",
+        "--base_channels",
+        8,
+        "--batch_size",
+        2,
+        "--num_workers",
+        2,
+        "--epochs",
+        2,
+        "--cache_images",
+        "false",
+        "--vflip",
+        0.5,
+    ]
+    assert_resume_is_bit_identical(args, tmp_path, stop_at=7, steps=20)
+
+
+# ---- The images' channels ----
+
+
+def recoloured(shapes, root, mode, count=None):
+    """A copy of the shapes (the first `count` pairs) with the images in PIL `mode`."""
+    for folder in ("imgs", "masks"):
+        (root / folder).mkdir(parents=True)
+        for path in sorted((shapes / folder).glob("*.png"))[:count]:
+            image = Image.open(path)
+            (image.convert(mode) if folder == "imgs" else image).save(root / folder / path.name)
+    return root
+
+
+@pytest.mark.slow
+def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(
+    unet, shapes, tmp_path
+):
+    grey = recoloured(shapes, tmp_path / "grey", "L")
+    res = launch(
+        [RECIPE, "--dataset", grey, "--output_dir", tmp_path / "out", "--smoke", *FAST],
+        launcher="python",
+        env=ONE_THREAD,
+    )
+    assert_ok(res)
+    assert "; L images; " in res.output, res
+    weights = tmp_path / "out" / "model.safetensors"
+    assert SegmentationWeights.read(weights).model["in_channels"] == 1
+    # Predict reads any image in the channels the weights were trained on.
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    Image.open(shapes / "imgs" / "shape_0000.png").save(inputs / "rgb.png")
+    Image.open(shapes / "imgs" / "shape_0001.png").convert("RGBA").save(inputs / "rgba.png")
+    assert_ok(
+        launch(
+            [
+                RECIPE,
+                "--predict",
+                f"{inputs}/*",
+                "--weights",
+                weights,
+                "--predict_dir",
+                tmp_path / "masks",
+                "--overlay",
+            ],
+            launcher="python",
+            env=ONE_THREAD,
+        )
+    )
+    masks = {p.name for p in (tmp_path / "masks").glob("*_mask.png")}
+    assert masks == {"rgb_mask.png", "rgba_mask.png"}
+    # eval_only of these weights on RGB images: the model and the images take the stored 1 channel.
+    res = launch(
+        [
+            RECIPE,
+            "--dataset",
+            shapes,
+            "--output_dir",
+            tmp_path / "eval",
+            "--eval_only",
+            "--weights",
+            weights,
+            *FAST,
+        ],
+        launcher="python",
+        env=ONE_THREAD,
+    )
+    assert_ok(res)
+    assert "; L images; " in res.output, res
+    assert read_metrics(tmp_path / "eval")[0]["eval_samples"] == N_VAL
+    # RGBA images: 4 channels, read as such by the loaders.
+    from unet_data import load_data
+
+    from common.runtime import build_accelerator
+
+    cfg = unet.Config(
+        dataset=str(recoloured(shapes, tmp_path / "rgba", "RGBA", 20)),
+        val_fraction=0.2,
+        cache_images=False,
+        num_workers=0,
+    )
+    data = load_data(cfg, build_accelerator(), unet.input_channels)
+    x, _ = next(iter(data.train_loader))
+    assert data.in_channels == 4 and x.shape[1] == 4 and x.dtype == torch.uint8
+
+
+def test_images_of_different_channels_say_which_and_what_to_set(unet, shapes, tmp_path):
+    from unet_data import load_data
+
+    from common.runtime import build_accelerator
+
+    root = recoloured(shapes, tmp_path / "data", "RGB", 20)
+    grey = root / "imgs" / "shape_0007.png"
+    Image.open(grey).convert("L").save(grey)
+    cfg = unet.Config(dataset=str(root), val_fraction=0.2, num_workers=0)
+    message = (
+        re.escape(f"images have different channels: {grey} is L (1), ")
+        + r"\S+ is RGB \(3\): convert them to one mode, or set --in_channels 3 to read all "
+        r"as RGB$"
+    )
+    with pytest.raises(DataError, match=message):
+        load_data(cfg, build_accelerator(), unet.input_channels)
+    # Set, in_channels reads them all alike.
+    data = load_data(replace(cfg, in_channels=3), build_accelerator(), unet.input_channels)
+    assert data.in_channels == 3 and next(iter(data.val_loader))[0].shape[1] == 3
+
+
+# ---- Settings ----
+
+
+def test_bad_settings_are_rejected(unet):
+    for args, message in [
+        (["--mask_values", "0,x"], "mask_values must be distinct non-negative integers"),
+        (
+            ["--num_classes", "4", "--mask_values", "0,255"],
+            "mask_values needs one value per class (4 for num_classes 4)",
+        ),
+        (["--num_classes", "1", "--mask_values", "0,1,2"], "(2 for num_classes 1)"),
+        (["--crop_size", "64", "--image_size", "48"], "crop_size cannot exceed image_size"),
+        (["--image_size", "20"], "image_size must be 0 or at least 32"),
+        (["--scheduler", "step"], "scheduler must be cosine or plateau"),
+        (["--predict", "x.png"], "predict needs weights"),
+        (
+            ["--bucket_by_size", "true", "--image_size", "64"],
+            "bucket_by_size trains on the images' own sizes",
+        ),
+        (
+            ["--channels_last", "maybe"],
+            "--channels_last must be a bool (true/false) or auto, got 'maybe'",
+        ),
+        (["--cache_images", "2"], "--cache_images must be a bool (true/false) or auto, got '2'"),
+        (["--num_workers", "-2"], "num_workers must be at least -1, got -2"),
+        (["--in_channels", "5"], "in_channels must be 0 (from the images), 1, 2, 3 or 4, got 5"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_config(unet.Config, args)
