@@ -176,18 +176,17 @@ def build_model(settings):
 
 def read_trained(path):
     """The record of a weights file that this recipe wrote (record_metadata), or None for one
-    that holds none, such as a torch.save'd state_dict."""
+    that holds none, such as a torch.save'd state_dict. One that an older version of the recipe
+    wrote, recording less, stops with a line that says to train again."""
     record = read_record(path, RECORD) if path else None
-    if record is not None and not {"model", "mask_values", "input_size", "flips"} <= set(record):
+    if record is None:
+        return None
+    missing = sorted({"model", "mask_values", "input_size", "flips"} - set(record))
+    missing = missing or sorted(set(MODEL_SETTINGS) - set(record["model"]))
+    if missing:
         raise UserError(
-            f"{path} was written by an older version of this recipe, which recorded less: train "
-            f"the model again to write it anew"
-        )
-    if record is not None and not set(MODEL_SETTINGS) <= set(record["model"]):
-        missing = sorted(set(MODEL_SETTINGS) - set(record["model"]))
-        raise UserError(
-            f"{path} records no {', '.join(missing)}: it was written by an older version of "
-            f"this recipe; train the model again to write it anew"
+            f"{path} records no {', '.join(missing)}: an older version of this recipe wrote it; "
+            f"train the model again to write it anew"
         )
     return record
 
@@ -199,8 +198,8 @@ def trained_model(path, device="cpu"):
     record = read_trained(path)
     if record is None:
         raise UserError(
-            f"{path} holds no segmentation settings: predict and export need weights saved by "
-            f"this recipe"
+            f"{path} holds no settings of this recipe: predict and export need a model.safetensors "
+            f"that its training wrote (train again if an older version wrote it)"
         )
     if Path(path).suffix == ".onnx":
         return OnnxModel(path), record

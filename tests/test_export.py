@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -16,11 +15,12 @@ from conftest import REPO, assert_ok, launch, make_shapes
 from PIL import Image
 from recipe_module import load_recipe
 from safetensors import safe_open
-from unet_predict import SegmentationWeights, load_model, sample_images
+from unet import read_trained
 
 from common.checkpoint import load_weights
 from common.config import ConfigError, UserError, parse_config
 from common.export import OnnxModel, check_onnx, write_onnx
+from unet_predict import sample_images
 
 MNIST, UNET = "recipes/mnist.py", "recipes/unet.py"
 UNET_DATA = ["--val_fraction", 0.2, "--num_workers", 0]  # 20 images: 16 train, 4 validation
@@ -62,7 +62,7 @@ def torch_model(recipe, weights):
         model = module.BasicNet()
         load_weights(model, weights)
         return model.eval()
-    return load_model(SimpleNamespace(weights=str(weights)), module.build_model)[0]
+    return module.trained_model(str(weights))[0]
 
 
 @pytest.fixture(scope="module")
@@ -198,10 +198,12 @@ def test_unet_export_without_data_checks_random_inputs_of_the_stored_size(unet_w
     # store none: 64x64. Weights that store one: test_the_unet_check_sees_validation_images...
     from safetensors.torch import load_file, save_file
 
+    from common.checkpoint import record_metadata
+
     native = tmp_path / "native.safetensors"
-    stored = SegmentationWeights.read(unet_weights[1])
-    stored.input_size = None
-    save_file(load_file(unet_weights[1]), native, stored.metadata(recipe="unet"))
+    stored = read_trained(unet_weights[1])
+    stored["input_size"] = None
+    save_file(load_file(unet_weights[1]), native, record_metadata("segmentation", stored))
     # Run where no data/shapes is, as a user who copied only the weights.
     res = subprocess.run(
         [sys.executable, REPO / UNET, "--export", "onnx", "--weights", native],
@@ -329,15 +331,15 @@ def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights, tmp_pa
         ([32, 40], (4, 3, 32, 40), (1, 3, 48, 72)),
         (None, (4, 3, 48, 48), (1, 3, 64, 80)),
     ]:  # None: own size
-        weights = SegmentationWeights({}, [0, 85, 170, 255], input_size)
-        images, what = sample_images(cfg, weights)
+        record = {"model": {"in_channels": 3}, "mask_values": [0, 85, 170, 255]}
+        images, what = sample_images(cfg, {**record, "input_size": input_size}, multiple=16)
         x, y = (unet.prepare_input(t, cfg) for t in images)
         assert (x.shape, y.shape) == (first, second) and what == f"images of {data}"
         assert x.dtype == torch.float32 and 0 <= x.min() < x.max() <= 1
     # No --dataset where data/shapes is not made: random pixels of the size the weights store.
     monkeypatch.chdir(tmp_path)
-    weights = SegmentationWeights.read(unet_weights[1])
-    images, what = sample_images(parse_config(unet.Config, []), weights)
+    weights = read_trained(unet_weights[1])
+    images, what = sample_images(parse_config(unet.Config, []), weights, multiple=16)
     assert [tuple(t.shape) for t in images] == [(4, 3, 48, 48), (1, 3, 64, 80)]
     assert images[0].dtype == torch.uint8
     assert what == "random pixels: no --dataset, data/shapes is not made"

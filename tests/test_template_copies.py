@@ -20,7 +20,9 @@ from conftest import (
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
-from unet_predict import SegmentationWeights
+from unet import read_trained
+
+from common.checkpoint import read_record
 
 RECIPE = "recipes/unet.py"
 
@@ -106,7 +108,7 @@ def test_a_unet_copy_with_its_own_model_trains_on_1_and_2_processes_and_predicts
     for res, out in ((one, "one"), (two, "two")):
         assert_ok(res)
         assert read_metrics(tmp_path / out)[0]["eval_samples"] == N_VAL
-    assert SegmentationWeights.read(weights).model == {
+    assert read_record(weights, "segmentation")["model"] == {  # the copy's MODEL_SETTINGS
         "in_channels": 3,
         "num_classes": 4,
         "base_channels": 8,
@@ -122,7 +124,7 @@ GREY_LOSS = """def loss_per_image(logits, target, num_classes):  # cross-entropy
     ce = F.cross_entropy(logits.float(), target, ignore_index=IGNORE, reduction="none")
     return ce.sum((1, 2)) / (target != IGNORE).sum((1, 2)).clamp(min=1)
 """
-GREY_CHANGED_LINES = 16  # input_channels' line and the 15 lines of the recipe's loss
+GREY_CHANGED_LINES = 16  # the in_channels default and the 15 lines of the recipe's loss
 
 
 @pytest.mark.slow
@@ -131,12 +133,9 @@ def test_a_unet_copy_for_grey_images_with_its_own_loss_trains_and_predicts(shape
     original = (REPO / RECIPE).read_text()
     start = original.index("def loss_per_image(")
     source = original[:start] + GREY_LOSS + original[original.index("\n\n\n", start) + 1 :]
-    # Read every image as grey, even one saved as RGB.
-    source = source.replace(
-        '    return 1 if mode in ("1", "L", "I", "I;16", "F") else 4 if mode in '
-        '("RGBA", "LA", "PA") else 3',
-        "    return 1",
-    )
+    # Read every image as grey, even one saved as RGB: the model's input channels by default.
+    line = next(line for line in source.splitlines() if line.startswith("    in_channels: int = 0"))
+    source = source.replace(line, "    in_channels: int = 1  # grey images")
     assert changed_lines(original, source) == GREY_CHANGED_LINES
     root = tmp_path / "grey"  # grey images, with one left in RGB, and 3 classes: 255 joins 170
     for folder in ("imgs", "masks"):
@@ -182,8 +181,73 @@ def test_a_unet_copy_for_grey_images_with_its_own_loss_trains_and_predicts(shape
         copy.unlink()
     assert_ok(res)
     assert "; L images; " in res.output and "classes: mask values 0,85,170;" in res.output, res
-    stored = SegmentationWeights.read(weights)
-    assert stored.model["in_channels"] == 1 and stored.model["num_classes"] == 3
+    stored = read_trained(weights)
+    assert stored["model"]["in_channels"] == 1 and stored["model"]["num_classes"] == 3
     assert_ok(predicted)  # an RGB image, read in the weights' 1 channel
     mask = Image.open(tmp_path / "masks" / "shape_0000_mask.png")
     assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= {0, 85, 170}
+
+
+VOC_LIST_PAIRS = '''def list_pairs(cfg):
+    """Pascal VOC's layout: JPEGImages/NAME.jpg with SegmentationClass/NAME.png, the names of
+    each split in ImageSets/Segmentation/SPLIT.txt (--train_split train --val_split val)."""
+    root = Path(cfg.dataset)
+
+    def split(name):
+        names = (root / "ImageSets" / "Segmentation" / f"{name}.txt").read_text().split()
+        return [
+            (root / "JPEGImages" / f"{n}.jpg", root / "SegmentationClass" / f"{n}.png", n)
+            for n in names
+        ]
+
+    return split(cfg.train_split), split(cfg.val_split)
+'''
+VOC_CHANGED_LINES = 35  # list_pairs() in the copy of unet_data.py; and the import in the recipe
+
+
+def voc_layout(shapes, root):
+    """`shapes` in Pascal VOC's layout: JPEG images, palette PNG masks holding class indices
+    (0..3), and the splits' names in ImageSets/Segmentation/{train,val}.txt."""
+    for folder in ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation"):
+        (root / folder).mkdir(parents=True)
+    names = sorted(p.stem for p in (shapes / "imgs").glob("*.png"))
+    palette = [0, 0, 0, 128, 0, 0, 0, 128, 0, 128, 128, 0] + [0] * (256 - 4) * 3
+    for name in names:
+        Image.open(shapes / "imgs" / f"{name}.png").convert("RGB").save(
+            root / "JPEGImages" / f"{name}.jpg", quality=95
+        )
+        values = np.asarray(Image.open(shapes / "masks" / f"{name}_mask.png"))
+        mask = Image.fromarray((values // 85).astype(np.uint8), mode="P")
+        mask.putpalette(palette)
+        mask.save(root / "SegmentationClass" / f"{name}.png")
+    split = root / "ImageSets" / "Segmentation"
+    (split / "train.txt").write_text("\n".join(names[:-10]) + "\n")
+    (split / "val.txt").write_text("\n".join(names[-10:]) + "\n")
+    return root
+
+
+@pytest.mark.slow
+def test_a_unet_copy_adapted_to_the_voc_layout_changes_only_its_data_part(shapes, tmp_path):
+    # The README's way to adapt the data: copy the recipe and its data file, point the copy at
+    # its own data file, and rewrite list_pairs() there, the part marked # ADAPT: your layout.
+    recipe = (REPO / "recipes" / "unet.py").read_text()
+    data = (REPO / "recipes" / "unet_data.py").read_text()
+    name = f"my_voc_{tmp_path.name[-8:]}"
+    recipe_copy = recipe.replace("from unet_data import", f"from {name}_data import")
+    start = data.index("def list_pairs(")
+    data_copy = data[:start] + VOC_LIST_PAIRS + data[data.index("\n\n\ndef folder_pairs") :]
+    assert changed_lines(recipe, recipe_copy) == 1  # the import, marked # ADAPT: your data
+    assert changed_lines(data, data_copy) == VOC_CHANGED_LINES  # list_pairs(), under # ADAPT
+    root = voc_layout(shapes, tmp_path / "voc")
+    copies = [REPO / "recipes" / f"{name}.py", REPO / "recipes" / f"{name}_data.py"]
+    for path, text in zip(copies, (recipe_copy, data_copy)):
+        path.write_text(text)
+    try:
+        args = [copies[0], "--dataset", root, "--val_split", "val", *FAST, "--smoke"]
+        res = launch([*args, "--output_dir", tmp_path / "out"], launcher="python", env=ONE_THREAD)
+    finally:
+        for path in copies:
+            path.unlink()
+    assert_ok(res)
+    assert "classes: mask values 0,1,2,3" in res.output
+    assert read_metrics(tmp_path / "out")[0]["eval_samples"] == 10

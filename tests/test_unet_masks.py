@@ -13,7 +13,6 @@ import time
 import numpy as np
 import pytest
 import torch
-import unet_data
 from conftest import (
     FAST,
     LR,
@@ -31,10 +30,11 @@ from conftest import (
     truncate,
 )
 from PIL import Image
-from unet_data import IGNORE, open_sources
-from unet_predict import SegmentationWeights
+from unet import read_trained
 
 from common.data import DataError, crop_and_flip
+from common.segmentation_data import IGNORE, pad_collate, scan_pairs, value_count
+from unet_data import Pairs, list_pairs
 
 RECIPE = "recipes/unet.py"
 N_TRAIN = N_IMAGES - N_VAL  # the training images of `shapes`
@@ -49,13 +49,13 @@ def test_missing_default_data_says_how_to_make_it(unet, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     message = "data/shapes does not exist yet: write it with `make data/shapes`"
     with pytest.raises(DataError, match=re.escape(message)):
-        open_sources(unet.Config())
+        list_pairs(unet.Config())
 
 
 def test_a_missing_unet_folder_says_so_and_names_the_layout(unet, tmp_path):
     missing = tmp_path / "no_such_data"
     with pytest.raises(DataError, match=re.escape(f"dataset path {missing} does not exist")) as e:
-        open_sources(unet.Config(dataset=str(missing)))
+        list_pairs(unet.Config(dataset=str(missing)))
     assert "imgs/" in str(e.value) and "masks/" in str(e.value), e.value
 
 
@@ -63,9 +63,9 @@ def test_a_missing_unet_folder_says_so_and_names_the_layout(unet, tmp_path):
 
 
 def pair(unet, root, index, which):
-    """The image (which=0) or mask (1) file of training pair `index` (scan_masks gives rank r the
+    """The image (which=0) or mask (1) file of training pair `index` (scan_pairs gives rank r the
     pairs r, r + 2, ...), or of validation pair `index - 100`."""
-    train, val = open_sources(unet.Config(dataset=str(root), val_fraction=0.2))
+    train, val = list_pairs(unet.Config(dataset=str(root), val_fraction=0.2))
     return (train[index] if index < 100 else val[index - 100])[which]
 
 
@@ -119,8 +119,6 @@ def test_a_mask_value_outside_mask_values_stops_every_rank_with_one_line(bad_sha
 @pytest.mark.slow
 def test_a_mask_that_does_not_fit_its_image_is_named(shapes, unet, tmp_path):
     # What the scan says; the launch above shows that what rank 1 finds reaches the user once.
-    from unet_data import scan_masks
-
     from common.runtime import build_accelerator
 
     bad = copy_with_a_bad_mask(
@@ -128,22 +126,25 @@ def test_a_mask_that_does_not_fit_its_image_is_named(shapes, unet, tmp_path):
     )
     message = f"mask {bad} is {SIZE}x{SIZE - 1}, its image {SIZE}x{SIZE}"
     with pytest.raises(DataError, match=re.escape(message)):
-        scan_masks(
+        scan_pairs(
             build_accelerator(),
-            open_sources(unet.Config(dataset=str(tmp_path / "data"), val_fraction=VAL_FRACTION)),
+            [
+                Pairs(listed)
+                for listed in list_pairs(
+                    unet.Config(dataset=str(tmp_path / "data"), val_fraction=VAL_FRACTION)
+                )
+            ],
         )
 
 
 def data_error(unet, **settings):
     """The one-line DataError that the recipe's load_data() stops with: a launch would print it
     as `error: ...` (test_a_mask_value_outside_mask_values_stops_every_rank_with_one_line)."""
-    from unet_data import load_data
-
     from common.runtime import build_accelerator
 
     cfg = unet.Config(val_fraction=VAL_FRACTION, **settings)
     with pytest.raises(DataError) as e:
-        load_data(cfg, build_accelerator(), unet.input_channels)
+        unet.load_data(cfg, build_accelerator())
     assert "\n" not in str(e.value)
     return str(e.value)
 
@@ -180,8 +181,8 @@ def test_num_classes_comes_from_the_masks_in_the_carvana_layout(shapes, tmp_path
     )
     assert_ok(res)
     assert "classes: mask values 0,255; outputs to" in res.output
-    stored = SegmentationWeights.read(tmp_path / "out" / "model.safetensors")
-    assert stored.model["num_classes"] == 2
+    stored = read_trained(tmp_path / "out" / "model.safetensors")
+    assert stored["model"]["num_classes"] == 2
 
 
 @pytest.mark.slow
@@ -281,17 +282,20 @@ def test_a_bad_file_found_by_the_scan_stops_both_ranks_with_one_line(unet, shape
 @pytest.mark.parametrize("change", [truncate, garble], ids=["truncated mask", "garbage mask"])
 def test_a_bad_mask_found_by_the_scan_is_named(change, unet, shapes, tmp_path):
     # What the scan says; the launch above shows that what rank 1 finds reaches the user once.
-    from unet_data import scan_masks
-
     from common.runtime import build_accelerator
 
     shutil.copytree(shapes, tmp_path / "data")
     bad = pair(unet, tmp_path / "data", 1, 1)
     change(bad)
     with pytest.raises(DataError, match=re.escape(f"cannot read mask {bad} (")):
-        scan_masks(
+        scan_pairs(
             build_accelerator(),
-            open_sources(unet.Config(dataset=str(tmp_path / "data"), val_fraction=0.2)),
+            [
+                Pairs(listed)
+                for listed in list_pairs(
+                    unet.Config(dataset=str(tmp_path / "data"), val_fraction=0.2)
+                )
+            ],
         )
 
 
@@ -415,9 +419,9 @@ def test_without_bucket_by_size_mixed_sizes_say_what_to_set(mixed_shapes, unet):
 def test_padding_changes_neither_the_loss_nor_the_dice_counts(unet, num_classes):
     torch.manual_seed(0)
     logits = torch.randn(1, num_classes, 20, 24)
-    target = torch.randint(0, unet_data.value_count(num_classes), (1, 20, 24))
+    target = torch.randint(0, value_count(num_classes), (1, 20, 24))
     other = (torch.zeros(3, 40, 30, dtype=torch.uint8), torch.zeros(40, 30, dtype=torch.int64))
-    x, y = unet_data.pad_collate([(torch.ones(3, 20, 24, dtype=torch.uint8), target[0]), other])
+    x, y = pad_collate([(torch.ones(3, 20, 24, dtype=torch.uint8), target[0]), other], 16)
     assert x.shape == (2, 3, 48, 32) and y.shape == (2, 48, 32)  # the largest, rounded up to 16
     assert (y[0, 20:] == IGNORE).all() and (y[0, :, 24:] == IGNORE).all()
     assert (x[0, :, 20:] == 0).all()
@@ -439,17 +443,14 @@ def test_padding_changes_neither_the_loss_nor_the_dice_counts(unet, num_classes)
 
 
 def epoch_batches(unet, cfg, epoch):
-    """The training batches of an epoch, from the recipe's loader as its main() builds it."""
-    from functools import partial
-
-    from unet_data import load_data
-
+    """The training batches of an epoch, from the recipe's loader as its main() builds it, and
+    augmented as its train_one_epoch() augments them."""
     from common.runtime import build_accelerator
 
-    data = load_data(cfg, build_accelerator(), unet.input_channels, partial(unet.augment, cfg=cfg))
+    data = unet.load_data(cfg, build_accelerator())
     # The order: the loader's first, from its own seeded generator.
     data.train_loader.dataset.epoch = epoch
-    return data.reading, list(data.train_loader)
+    return data.reading, [unet.augment(*batch, cfg) for batch in data.train_loader]
 
 
 @pytest.mark.slow

@@ -15,9 +15,10 @@ import torch
 from conftest import ONE_THREAD, REPO, SIZE, VALUES, assert_ok, launch, make_shapes
 from PIL import Image
 from recipe_module import load_recipe
-from unet_predict import SegmentationWeights, segment, tiled
+from unet import read_trained
 
 from common.config import ConfigError, UserError, parse_config
+from common.inference import segment, tiled
 
 RECIPE = "recipes/unet.py"
 
@@ -64,59 +65,32 @@ def test_predict_writes_masks_at_the_original_size_in_mask_values(trained_unet, 
 
 
 @pytest.mark.slow
-def test_weights_saved_with_one_key_per_setting_say_to_train_again(trained_unet, shapes, tmp_path):
-    # The metadata of weights files written before the settings became one JSON entry, which
-    # predict no longer reads: one line that says so, not a traceback or a wrong model.
-    from safetensors.torch import load_file, save_file
-
-    old = tmp_path / "old.safetensors"
-    save_file(
-        load_file(trained_unet[0] / "model.safetensors"),
-        old,
-        metadata={
-            "recipe": "unet",
-            "mask_values": "0,85,170,255",
-            "num_classes": "4",
-            "base_channels": "16",
-            "bilinear": "False",
-            "input_size": f"{SIZE},{SIZE}",
-        },
-    )
-    res = launch(
-        [
-            RECIPE,
-            "--predict",
-            shapes / "imgs" / "shape_0000.png",
-            "--weights",
-            old,
-            "--predict_dir",
-            tmp_path,
-        ],
-        launcher="python",
-    )
-    assert res.returncode == 2 and res.output.strip().splitlines() == [
-        f"error: {old} stores its settings one key each, an old format that this recipe no "
-        f"longer reads: train the model again to save it anew"
-    ], res
-
-
-@pytest.mark.slow
-def test_weights_written_before_in_channels_was_stored_take_rgb(trained_unet, shapes, tmp_path):
+def test_weights_of_an_older_recipe_version_say_to_train_again(
+    trained_unet, unet, shapes, tmp_path
+):
+    # Weights files written before the settings became one JSON entry (one key each), or before
+    # the record held in_channels: one line that says to train again, not a traceback or a
+    # wrong model.
     from safetensors.torch import load_file, save_file
 
     weights = trained_unet[0] / "model.safetensors"
-    stored = json.loads(SegmentationWeights.read(weights).metadata()["segmentation"])
-    del stored["model"]["in_channels"]
     old = tmp_path / "old.safetensors"
-    save_file(load_file(weights), old, {"segmentation": json.dumps(stored)})
-    assert SegmentationWeights.read(old).in_channels == 3
-    Image.open(shapes / "imgs" / "shape_0000.png").convert("L").save(tmp_path / "grey.png")
+    one_key_each = {"recipe": "unet", "mask_values": "0,85,170,255", "num_classes": "4"}
+    save_file(load_file(weights), old, metadata=one_key_each)
     res = launch(
-        [RECIPE, "--predict", tmp_path / "grey.png", "--weights", old, "--predict_dir", tmp_path],
+        [RECIPE, "--predict", shapes / "imgs" / "shape_0000.png", "--weights", old],
         launcher="python",
     )
-    assert_ok(res)
-    assert Image.open(tmp_path / "grey_mask.png").size == (SIZE, SIZE)
+    assert res.returncode == 2 and res.output.strip().splitlines() == [
+        f"error: {old} holds no settings of this recipe: predict and export need a "
+        f"model.safetensors that its training wrote (train again if an older version wrote it)"
+    ], res
+    record = read_trained(weights)
+    del record["model"]["in_channels"]
+    save_file(load_file(weights), old, {"segmentation": json.dumps(record)})
+    message = f"{old} records no in_channels: an older version of this recipe wrote it; train "
+    with pytest.raises(UserError, match=re.escape(message)):
+        unet.read_trained(old)
 
 
 @pytest.mark.slow
@@ -124,22 +98,24 @@ def test_weights_that_do_not_fit_say_why_in_one_short_line(trained_unet, unet, t
     # What main() calls with --weights, before and after the data; the launch of
     # test_weights_saved_with_one_key_per_setting_say_to_train_again shows such a line printed.
     from safetensors.torch import save_file
-    from unet_predict import fit_to_weights
 
-    from common.checkpoint import load_weights
+    from common.checkpoint import fit_to_record, load_weights
     from common.config import UserError
 
     weights = trained_unet[0] / "model.safetensors"
     cfg = unet.Config(weights=str(weights))  # base_channels 64, the default
     with pytest.raises(UserError) as e:
-        fit_to_weights(cfg, SegmentationWeights.read(weights), unet.MODEL_SETTINGS)
+        model_settings = read_trained(weights)["model"]
+        fit_to_record(
+            cfg, model_settings, unet.MODEL_SETTINGS, path=weights, inferred=unet.INFERRED
+        )
     assert (
         str(e.value)
         == f"{weights} was trained with base_channels 16, not 64: add --base_channels 16"
     )
     # Another recipe's weights: no settings stored, and none of the tensors fit.
     save_file({"fc.weight": torch.zeros(10, 784)}, tmp_path / "other.safetensors")
-    assert SegmentationWeights.read(tmp_path / "other.safetensors") is None
+    assert read_trained(tmp_path / "other.safetensors") is None
     model = unet.build_model(
         {
             **{name: getattr(cfg, name) for name in unet.MODEL_SETTINGS},
@@ -286,7 +262,7 @@ def test_a_large_image_predicts_in_tiles_in_bounded_memory(native, tmp_path):
 
 @pytest.mark.slow
 def test_predict_flip_averages_over_the_flips_of_training(native, tmp_path):
-    assert SegmentationWeights.read(native.weights).flips == "hv"  # trained with hflip and vflip
+    assert read_trained(native.weights)["flips"] == "hv"  # trained with hflip and vflip
     res = launch(
         [
             RECIPE,
@@ -330,11 +306,10 @@ def test_bad_settings_are_rejected():
             parse_config(config, args)
 
 
-def test_flipped_views_are_averaged_as_logits():
+def test_flipped_views_are_averaged_as_logits(unet):
     torch.manual_seed(0)
     net = torch.nn.Conv2d(3, 2, 3, padding=1)  # not flip-equivariant
     x = torch.rand(1, 3, 32, 48)
-    cfg = SimpleNamespace(predict_tile=0, predict_flip=True)
     with torch.inference_mode():
         views = [
             net(x),
@@ -342,10 +317,12 @@ def test_flipped_views_are_averaged_as_logits():
             net(x.flip(2)).flip(2),
             net(x.flip(2, 3)).flip(2, 3),
         ]
-        torch.testing.assert_close(segment(net, x, cfg, "hv"), sum(views) / 4)
-        torch.testing.assert_close(segment(net, x, cfg, "h"), (views[0] + views[1]) / 2)
-        plain = SimpleNamespace(predict_tile=0, predict_flip=False)
-        assert torch.equal(segment(net, x, plain, "hv"), net(x))
-        # As eval_only and predict say it.
-        with pytest.raises(UserError, match="this model was trained with none"):
-            segment(net, x, cfg, "")
+        torch.testing.assert_close(segment(net, x, flips="hv"), sum(views) / 4)
+        torch.testing.assert_close(segment(net, x, flips="h"), (views[0] + views[1]) / 2)
+        assert torch.equal(segment(net, x, flips=""), net(x))
+    # The recipe averages over the flips of training with predict_flip, else over none.
+    cfg = SimpleNamespace(predict_flip=True)
+    assert unet.flips_to_average(cfg, "hv") == "hv"
+    assert unet.flips_to_average(SimpleNamespace(predict_flip=False), "hv") == ""
+    with pytest.raises(UserError, match="this model was trained with none"):  # eval_only, predict
+        unet.flips_to_average(cfg, "")

@@ -30,7 +30,7 @@ from conftest import (
 )
 from PIL import Image
 from safetensors import safe_open
-from unet_predict import SegmentationWeights
+from unet import read_trained
 
 from common.config import ConfigError, parse_config
 from common.data import DataError
@@ -72,14 +72,14 @@ def test_single_process_learns_and_writes_the_output_contract(trained_unet, shap
     assert rows[-1]["dice"] > 0.85, rows  # 0.94 to 0.98 with seeds 0 to 5
     assert yaml.safe_load((out / "config.yaml").read_text())["base_channels"] == 16
     # num_classes was left at 0: one class per mask value found. The weights file stores it, typed.
-    stored = SegmentationWeights.read(out / "model.safetensors")
-    assert stored.model == {
+    stored = read_trained(out / "model.safetensors")
+    assert stored["model"] == {
         "in_channels": 3,
         "num_classes": 4,
         "base_channels": 16,
         "bilinear": False,
     }
-    assert stored.mask_values == [0, 85, 170, 255] and stored.input_size == [SIZE, SIZE]
+    assert stored["mask_values"] == [0, 85, 170, 255] and stored["input_size"] == [SIZE, SIZE]
     assert yaml.safe_load((out / "config.yaml").read_text())["num_classes"] == 4
     with safe_open(out / "model.safetensors", "pt") as f:
         keys = list(f.keys())
@@ -380,7 +380,7 @@ def test_bucket_by_size_on_two_processes_trains_and_evaluates_every_image_once(
     # One process, the same weights: the same batches of the same images, so the same Dice.
     weights = tmp_path / "train" / "model.safetensors"
     # Predict: each image at its own size.
-    assert SegmentationWeights.read(weights).input_size is None
+    assert read_trained(weights)["input_size"] is None
     res = launch(
         [*args, "--output_dir", tmp_path / "eval", "--eval_only", "--weights", weights],
         launcher="python",
@@ -462,7 +462,7 @@ def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(
     assert_ok(res)
     assert "; L images; " in res.output, res
     weights = tmp_path / "out" / "model.safetensors"
-    assert SegmentationWeights.read(weights).model["in_channels"] == 1
+    assert read_trained(weights)["model"]["in_channels"] == 1
     # Predict reads any image in the channels the weights were trained on.
     inputs = tmp_path / "in"
     inputs.mkdir()
@@ -506,8 +506,6 @@ def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(
     assert "; L images; " in res.output, res
     assert read_metrics(tmp_path / "eval")[0]["eval_samples"] == N_VAL
     # RGBA images: 4 channels, read as such by the loaders.
-    from unet_data import load_data
-
     from common.runtime import build_accelerator
 
     cfg = unet.Config(
@@ -516,14 +514,12 @@ def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(
         cache_images=False,
         num_workers=0,
     )
-    data = load_data(cfg, build_accelerator(), unet.input_channels)
-    x, _ = next(iter(data.train_loader))
+    data = unet.load_data(cfg, build_accelerator())
+    x, *_ = next(iter(data.train_loader))
     assert data.in_channels == 4 and x.shape[1] == 4 and x.dtype == torch.uint8
 
 
 def test_images_of_different_channels_say_which_and_what_to_set(unet, shapes, tmp_path):
-    from unet_data import load_data
-
     from common.runtime import build_accelerator
 
     root = recoloured(shapes, tmp_path / "data", "RGB", 20)
@@ -536,9 +532,9 @@ def test_images_of_different_channels_say_which_and_what_to_set(unet, shapes, tm
         r"as RGB$"
     )
     with pytest.raises(DataError, match=message):
-        load_data(cfg, build_accelerator(), unet.input_channels)
+        unet.load_data(cfg, build_accelerator())
     # Set, in_channels reads them all alike.
-    data = load_data(replace(cfg, in_channels=3), build_accelerator(), unet.input_channels)
+    data = unet.load_data(replace(cfg, in_channels=3), build_accelerator())
     assert data.in_channels == 3 and next(iter(data.val_loader))[0].shape[1] == 3
 
 
