@@ -332,3 +332,25 @@ def test_the_code_fingerprint_is_the_same_in_every_process(tmp_path, monkeypatch
         assert out.split() == here
     exec(compile(MADE.replace("cyan", "teal"), "<made>", "exec"), namespace)  # edited
     assert code_fingerprint([namespace["pick"]]) != here[1]
+
+
+def test_the_unet_decoding_key_reaches_the_data_surface_a_copy_edits(shapes, monkeypatch):
+    # An edit to how a pair is read (unet_data.py) or decoded (common/segmentation_data.py)
+    # decodes again: the code that the U-Net's decoded() hands to the cache reaches both.
+    from common import segmentation_data
+    from unet_data import Pairs, folder_pairs
+
+    passed = {}
+
+    def spy(key, make, *, code=(), enabled=True):
+        passed.update(key=key, code=code)
+        return make()
+
+    monkeypatch.setattr(segmentation_data, "cached_tensors", spy)
+    pairs = Pairs(folder_pairs(shapes)[:2])
+    segmentation_data.decoded(
+        pairs, [0, 85, 170, 255], "RGB", (48, 48), threads=1, device="cpu", cache_decoded=True
+    )
+    reached = {obj.__qualname__ for obj in code_reached(passed["code"])}
+    assert {"Pairs.__getitem__", "read_pair", "open_image", "decode_pair"} <= reached, reached
+    assert passed["key"][1] == pairs.identity()  # the files' paths, sizes and times of change
