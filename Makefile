@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 DEMO_OUT ?= runs/mnist-demo
 UNET_DEMO_OUT ?= runs/unet-demo
 
-.PHONY: help venv demo demo-unet demo-ddp test test-full stress gpu-check clean
+.PHONY: help venv demo demo-unet demo-ddp lint format test test-full stress gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z_/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -43,6 +43,14 @@ demo-ddp: $(BIN)/.installed  ## the MNIST demo with 2 processes (2 GPUs, or 2 CP
 	rm -rf $(DEMO_OUT)-ddp
 	$(BIN)/accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py \
 		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)-ddp
+
+lint: $(BIN)/.installed  ## ruff: the formatting and lint checks that CI runs (pyproject.toml)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+format: $(BIN)/.installed  ## ruff: format the tree and apply its safe lint fixes
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 test: $(BIN)/.installed  ## the fast tier: every contract the README claims, real launches (~2 min on 2 cores)
 	$(BIN)/python -m pytest -q -m "not slow" tests
