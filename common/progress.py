@@ -107,7 +107,7 @@ class Progress:
 
     def start_epoch(self, batches):
         """Reset the epoch's meters. batches: what the loader yields (the rest, after a resume)."""
-        training_started()
+        training_started(self.cfg.output_dir)
         self.losses = TrainLoss(self.accelerator.device, self.step)
         self.speed, self.window = Throughput(), Throughput()
         loss_sum, samples, self.skipped = self.carried  # a resumed epoch's batches before the stop
@@ -150,7 +150,8 @@ class Progress:
         return True
 
     def train_scalars(self, optimizer):
-        """The tracker's training scalars since the last call: loss over all ranks, lr, samples/s."""
+        """The training scalars for the tracker since the last call: the loss over all ranks,
+        lr and samples/s."""
         scalars = {
             "train/loss": self.losses.window(self.accelerator),
             "train/lr": optimizer.param_groups[0]["lr"],

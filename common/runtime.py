@@ -237,15 +237,12 @@ def raise_if_any(accelerator, problem):
         raise UserError(problems[0])
 
 
-_run = {"created": None, "locked": False, "training": False}  # what run() may clean up
-
-
 def lock_output_dir(accelerator, out):
     """Hold a lock on output_dir/.lock while the run lives, so a second run into the same
     folder stops at once instead of mixing its checkpoints and metrics with the first. A POSIX
     lock: the system releases it when the process ends, also after a crash or a kill, and
-    DataLoader workers forked later do not inherit it."""
-    problem = None
+    DataLoader workers forked later do not inherit it. True on the process that holds it."""
+    problem, locked = None, False
     if accelerator.is_main_process:
         lock = open(out / ".lock", "a+")
         try:
@@ -269,16 +266,33 @@ def lock_output_dir(accelerator, out):
             lock.write(f"process {os.getpid()} on {socket.gethostname()}\n")
             lock.flush()
             _locks.append(lock)  # held open, so held locked, until the process exits
-            _run["locked"] = True
+            locked = True
     raise_if_any(accelerator, problem)
+    return locked
 
 
-_locks = []
+# Only this module changes these two lists.
+_locks = []  # the open lock files of lock_output_dir
+_created = []  # output folders that open_run created and locked: leave_output_dir may remove them
+
+# In a folder that open_run created, until training starts: a user error before then removes it.
+UNTRAINED = ".untrained"
 
 
-def training_started():
-    """From here on a failed run keeps its output folder (run() removes one that failed before)."""
-    _run["training"] = True
+def training_started(output_dir):
+    """From here on a failed run keeps output_dir: Progress calls this as an epoch starts."""
+    (Path(output_dir) / UNTRAINED).unlink(missing_ok=True)
+
+
+def leave_output_dir(failed):
+    """At the end of the process: remove the folder that open_run created for this run if the run
+    `failed` with a user error before it started training; else keep it, without the marker.
+    A folder that existed before the run is never removed."""
+    for folder in _created:
+        if failed and (folder / UNTRAINED).exists():
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            (folder / UNTRAINED).unlink(missing_ok=True)
 
 
 def open_run(accelerator, cfg):
@@ -289,16 +303,20 @@ def open_run(accelerator, cfg):
             f"resume latest: output_dir {cfg.output_dir} does not exist: check --output_dir, or "
             f"leave out --resume to start a new run"
         )
+    created = False
     if accelerator.is_main_process:
         try:
             Path(cfg.output_dir).mkdir(parents=True)  # fails if it exists: then it is not ours
-            _run["created"] = Path(cfg.output_dir)
+            created = True
         except FileExistsError:
             pass
         except OSError as e:  # a parent that is a file, no permission, a full or read-only disk
             raise _not_writable(cfg.output_dir, e) from None
     out = make_output_dir(cfg.output_dir)
-    lock_output_dir(accelerator, out)
+    if created:  # marked before any rank can start training, which removes the mark
+        (out / UNTRAINED).touch()
+    if lock_output_dir(accelerator, out) and created:  # in use by another run: not ours to remove
+        _created.append(out)
     checkpoint = choose_checkpoint(
         cfg.resume, out / "checkpoints", cfg.eval_only, restarted=elastic_restart()
     )
@@ -361,6 +379,7 @@ def run(main, config_class, argv=None):
     # ends. Out of the collector's sight, the full collections in close() and below, which drop
     # the DDP model before the process group, take a few ms each instead of 0.15 s.
     gc.freeze()
+    failed = False
     try:
         main(parse_config(config_class, argv))
     except ShowHelp as e:  # --help or -h
@@ -369,15 +388,11 @@ def run(main, config_class, argv=None):
     except UserError as e:
         if debug:
             raise
+        failed = True
         message = str(e)
         if message.startswith("Caught ") and "Original Traceback" in message:
             # Raised in a DataLoader worker: torch re-raises it with the worker's traceback.
             message = message.strip().splitlines()[-1].split(": ", 1)[-1]
-        folder = _run["created"]
-        if (
-            folder and _run["locked"] and not _run["training"]
-        ):  # it made the folder and never trained
-            shutil.rmtree(folder, ignore_errors=True)
         if _rank() != 0:
             # Rank 0 usually fails the same way and prints it, and the launcher then stops this
             # process. If rank 0 did not fail (the error is this rank's own), say it after a moment.
@@ -392,6 +407,8 @@ def run(main, config_class, argv=None):
     else:
         code = 130 if stop_was_requested() else 0  # 128 + SIGINT: stopped early, but cleanly
     finally:
+        # After a user error the output folder goes, if this run made it and never trained.
+        leave_output_dir(failed)
         # On the error path the traceback keeps main's locals (the DDP model) alive: drop them
         # before the process group goes, for the same reason as in close().
         sys.last_traceback = None
