@@ -36,7 +36,7 @@ import torch
 from accelerate.utils import broadcast
 
 from common.metrics import Throughput, TrainLoss, peak_memory_mb
-from common.runtime import training_started
+from common.outputs import training_started
 from common.signals import stop_requested
 
 CHECK_EVERY = 10  # optimizer steps between looks for a nan loss and for Ctrl-C on any rank

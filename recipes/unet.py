@@ -35,24 +35,19 @@ from unet_predict import (
     segment,
 )
 
+from common.accelerator import accelerator_for, close, describe, sync_batchnorm
 from common.checkpoint import load_weights, resume_training, save_training, save_weights
 from common.config import require, require_at_least
 from common.data import crop_and_flip
 from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import export_onnx
+from common.outputs import open_run
 from common.progress import Progress
-from common.runtime import (
-    accelerator_for,
-    close,
-    describe,
-    open_run,
-    run,
-    start_logging,
-    sync_batchnorm,
-)
+from common.runtime import run
 from common.schedule import fit_schedule
 from common.signals import catch_stop_signals
+from common.tracking import start_logging
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
 

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from common.runtime import build_accelerator, close  # noqa: E402
+from common.accelerator import build_accelerator, close  # noqa: E402
 from common.sampler import bucket_loader  # noqa: E402
 
 SEED, RESUME_AT = 3, 2

@@ -18,8 +18,8 @@ from safetensors import safe_open
 from torch.nn.parallel import DistributedDataParallel
 from unet_data import load_data
 
+from common.accelerator import build_accelerator, close
 from common.checkpoint import save_weights
-from common.runtime import build_accelerator, close
 
 unet = load_recipe("unet")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from recipe_module import load_recipe  # first: it puts the repository on sys.path
 
+from common.accelerator import build_accelerator, close
 from common.config import parse_config
-from common.runtime import build_accelerator, close
 
 mnist = load_recipe("mnist")
 

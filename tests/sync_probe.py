@@ -17,7 +17,7 @@ import torch
 from recipe_module import load_recipe  # first: it puts the repository on sys.path
 from unet_data import load_data
 
-from common.runtime import build_accelerator, close
+from common.accelerator import build_accelerator, close
 
 mnist_dir, shapes_dir = sys.argv[1:3]
 mnist, unet = load_recipe("mnist"), load_recipe("unet")

@@ -263,7 +263,7 @@ def test_a_bad_mask_found_by_the_scan_is_named(change, unet, shapes, tmp_path):
     # What the scan says; the launch above shows that what rank 1 finds reaches the user once.
     from unet_data import scan_masks
 
-    from common.runtime import build_accelerator
+    from common.accelerator import build_accelerator
 
     shutil.copytree(shapes, tmp_path / "data")
     bad = pair(unet, tmp_path / "data", 1, 1)

@@ -385,7 +385,7 @@ def test_a_mask_that_does_not_fit_its_image_is_named(shapes, unet, tmp_path):
     # What the scan says; the launch above shows that what rank 1 finds reaches the user once.
     from unet_data import scan_masks
 
-    from common.runtime import build_accelerator
+    from common.accelerator import build_accelerator
 
     bad = copy_with_a_bad_mask(
         shapes, unet, tmp_path / "data", lambda m: m.resize((SIZE, SIZE - 1))
@@ -403,7 +403,7 @@ def data_error(unet, **settings):
     as `error: ...` (test_a_mask_value_outside_mask_values_stops_every_rank_with_one_line)."""
     from unet_data import load_data
 
-    from common.runtime import build_accelerator
+    from common.accelerator import build_accelerator
 
     cfg = unet.Config(val_fraction=VAL_FRACTION, **settings)
     with pytest.raises(DataError) as e:
@@ -535,7 +535,7 @@ def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(
     # RGBA images: 4 channels, read as such by the loaders.
     from unet_data import load_data
 
-    from common.runtime import build_accelerator
+    from common.accelerator import build_accelerator
 
     cfg = unet.Config(
         dataset=str(recoloured(shapes, tmp_path / "rgba", "RGBA", 20)),
@@ -551,7 +551,7 @@ def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(
 def test_images_of_different_channels_say_which_and_what_to_set(unet, shapes, tmp_path):
     from unet_data import load_data
 
-    from common.runtime import build_accelerator
+    from common.accelerator import build_accelerator
 
     root = recoloured(shapes, tmp_path / "data", "RGB", 20)
     grey = root / "imgs" / "shape_0007.png"
@@ -796,7 +796,7 @@ def epoch_batches(unet, cfg, epoch):
 
     from unet_data import load_data
 
-    from common.runtime import build_accelerator
+    from common.accelerator import build_accelerator
 
     data = load_data(cfg, build_accelerator(), unet.input_channels, partial(unet.augment, cfg=cfg))
     # The order: the loader's first, from its own seeded generator.
