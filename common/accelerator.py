@@ -72,8 +72,9 @@ def build_accelerator(
     )
     if accelerator.num_processes != world_size:
         raise UserError(
-            f"the launcher started {world_size} processes but Accelerate sees {accelerator.num_processes}: "
-            f"each would train alone. Check the accelerate config (distributed_type, num_processes)"
+            f"the launcher started {world_size} processes but Accelerate sees "
+            f"{accelerator.num_processes}: each would train alone. Check the accelerate config "
+            f"(distributed_type, num_processes)"
         )
     return accelerator
 

@@ -55,7 +55,8 @@ def open_run(accelerator, cfg):
     )
     if cfg.resume == "latest" and not checkpoint:
         accelerator.print(
-            f"resume latest: no checkpoint in {out / 'checkpoints'} yet, so training starts at step 0"
+            f"resume latest: no checkpoint in {out / 'checkpoints'} yet, so training starts at "
+            f"step 0"
         )
     return out, checkpoint
 
@@ -102,7 +103,8 @@ def lock_output_dir(accelerator, out):
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EAGAIN):  # a filesystem without locks
                 print(
-                    f"warning: cannot lock {out} ({e.strerror}): nothing stops a second run into it",
+                    f"warning: cannot lock {out} ({e.strerror}): nothing stops a second run "
+                    f"into it",
                     file=sys.stderr,
                     flush=True,
                 )

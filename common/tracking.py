@@ -39,7 +39,6 @@ def start_logging(accelerator, cfg, name):
     out = Path(cfg.output_dir)
     if accelerator.is_main_process and not cfg.eval_only:
         save_config(cfg, out / "config.yaml")
-    accelerator.init_trackers(
-        name, config=dataclasses.asdict(cfg)
-    )  # nothing unless log_with says so
+    # Nothing happens here unless log_with names a tracker.
+    accelerator.init_trackers(name, config=dataclasses.asdict(cfg))
     return MetricsLog(out / "metrics.jsonl", accelerator.is_main_process, accelerator.num_processes)
