@@ -24,7 +24,7 @@ from common.tracking import tracker
 
 
 def build_accelerator(
-    gradient_accumulation_steps=1, seed=0, timeout_s=600, log_with="none", **kwargs
+    *, gradient_accumulation_steps=1, seed=0, timeout_s=600, log_with="none", **kwargs
 ):
     """An Accelerator whose process count is what the launcher asked for, logging to the tracker
     that the log_with setting names (checked first: see tracker()).
@@ -86,10 +86,10 @@ def accelerator_for(cfg):
     """build_accelerator() with a run's settings (a RunConfig): gradient_accumulation_steps, seed
     (the data order), dist_timeout_s, log_with, and output_dir for the trackers' files."""
     return build_accelerator(
-        cfg.gradient_accumulation_steps,
-        cfg.seed,
-        cfg.dist_timeout_s,
-        cfg.log_with,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        seed=cfg.seed,
+        timeout_s=cfg.dist_timeout_s,
+        log_with=cfg.log_with,
         project_dir=cfg.output_dir,
     )
 

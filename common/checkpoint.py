@@ -2,7 +2,7 @@
 
 Training state (for resuming):
 
-    save_checkpoint(accelerator, out / "checkpoints", step, {"epoch": 2, "batches_done": 17, ...}, keep=3)
+    save_checkpoint(accelerator, out / "checkpoints", step=123, trainer_state={"epoch": 2, ...})
     path = choose_checkpoint("latest", out / "checkpoints")    # None: start afresh
     trainer_state = load_checkpoint(accelerator, path, recipe="mnist")
 
@@ -14,7 +14,7 @@ writing leaves the previous checkpoints intact.
 
 Weights (for inference and fine-tuning):
 
-    save_weights(accelerator, model, out / "model.safetensors", {"recipe": "mnist"})
+    save_weights(accelerator, model, out / "model.safetensors", metadata={"recipe": "mnist"})
     load_weights(model, "model.safetensors")      # also a DDP-era .pt with 'module.' keys
 """
 
@@ -52,7 +52,7 @@ def _why(error, folder):
     return str(error).strip().splitlines()[0][:200]
 
 
-def _stop_on_write_error(accelerator, problem, path, root=None, partial=None):
+def _stop_on_write_error(accelerator, problem, path, *, root=None, partial=None):
     """A collective: if writing `path` failed on any rank, the main process removes `partial`
     (what was written of it), and every rank raises one UserError that names the path and the
     problem, and where an exact resume can start."""
@@ -70,7 +70,7 @@ def _stop_on_write_error(accelerator, problem, path, root=None, partial=None):
         )
 
 
-def save_weights(accelerator, model, path, metadata=None):
+def save_weights(accelerator, model, path, *, metadata=None):
     """Write the unwrapped model's weights from the main process, atomically (temp file + rename).
     The keys are the plain model's, also when the accelerate config compiles it (dynamo_backend).
     If the file cannot be written (a full disk), no partial file is left and every rank stops
@@ -92,7 +92,7 @@ def save_weights(accelerator, model, path, metadata=None):
             os.replace(tmp, path)
         except WRITE_ERRORS as e:
             problem = _why(e, path.parent)
-    _stop_on_write_error(accelerator, problem, path, path.parent / "checkpoints", partial=tmp)
+    _stop_on_write_error(accelerator, problem, path, root=path.parent / "checkpoints", partial=tmp)
 
 
 def _strip_prefix(state, prefix):
@@ -181,7 +181,7 @@ def _job_store():
     )
 
 
-def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
+def save_checkpoint(accelerator, root, *, step, trainer_state, keep=3):
     """Write the full training state as root/step-NNNNNNNN, atomically; keep the newest `keep`.
 
     Every rank must call it (each saves its own RNG state); only the main process renames
@@ -206,9 +206,8 @@ def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
     except WRITE_ERRORS as e:
         problem = _why(e, root)
-    _stop_on_write_error(
-        accelerator, problem, final, root, partial=tmp
-    )  # and the barrier before the rename
+    # A collective: also the barrier before the rename.
+    _stop_on_write_error(accelerator, problem, final, root=root, partial=tmp)
     if accelerator.is_main_process:
         aside = root / f".old-{final.name}"
         if final.exists():  # the same step again (an epoch end that is also a periodic checkpoint)
@@ -225,7 +224,7 @@ def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
     return final
 
 
-def choose_checkpoint(resume, root, eval_only=False, restarted=False):
+def choose_checkpoint(resume, root, *, eval_only=False, restarted=False):
     """The checkpoint to continue from, or None to start afresh.
 
     resume: None, "latest" (the newest under root, if any) or a checkpoint folder.
@@ -277,7 +276,7 @@ def choose_checkpoint(resume, root, eval_only=False, restarted=False):
     return path
 
 
-def load_checkpoint(accelerator, path, recipe, data_order=None, same=None):
+def load_checkpoint(accelerator, path, *, recipe, data_order=None, same=None):
     """Restore what save_checkpoint wrote into the prepared objects; return trainer_state.
 
     data_order: {setting: value} of the settings that decide which batches each rank gets,
@@ -354,7 +353,7 @@ def _as_setting(value):
 SAME_ON_RESUME = ("ema_decay",)
 
 
-def save_training(accelerator, cfg, progress, scheduler, recipe, data_order, **extras):
+def save_training(accelerator, cfg, *, progress, scheduler, recipe, data_order, **extras):
     """Every rank: a checkpoint of the run where `progress` is, under output_dir/checkpoints.
 
     What it holds, besides Accelerate's state, is listed here once, and resume_training checks
@@ -369,10 +368,16 @@ def save_training(accelerator, cfg, progress, scheduler, recipe, data_order, **e
         **progress.state(),
         "scheduler": scheduler.state_dict(),
     }
-    save_checkpoint(accelerator, progress.checkpoints, progress.step, state, cfg.keep_checkpoints)
+    save_checkpoint(
+        accelerator,
+        progress.checkpoints,
+        step=progress.step,
+        trainer_state=state,
+        keep=cfg.keep_checkpoints,
+    )
 
 
-def resume_training(accelerator, path, cfg, progress, scheduler, recipe, data_order, **extras):
+def resume_training(accelerator, path, cfg, *, progress, scheduler, recipe, data_order, **extras):
     """Continue from what save_training wrote at `path`, with one line for each way it does
     not fit this run: another recipe; for a mid-epoch checkpoint, other data_order settings or
     another process count (eval_only reads any); other SAME_ON_RESUME settings or `extras`; a
@@ -380,7 +385,7 @@ def resume_training(accelerator, path, cfg, progress, scheduler, recipe, data_or
     returns trainer_state. Then common.schedule.fit_schedule fits the schedule to the plan."""
     order = None if cfg.eval_only else {k: getattr(cfg, k) for k in data_order}
     same = {**{k: getattr(cfg, k) for k in SAME_ON_RESUME}, **extras}
-    state = load_checkpoint(accelerator, path, recipe, order, same)
+    state = load_checkpoint(accelerator, path, recipe=recipe, data_order=order, same=same)
     if not cfg.eval_only:  # evaluating steps no schedule
         scheduler.load_state_dict(same_kind(scheduler, state["scheduler"], path))
     progress.load(state)

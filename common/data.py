@@ -4,7 +4,7 @@
                          hint="use --dataset data/mnist_sample")   # said if it cannot be loaded
     splits = load_splits("data/mnist_sample", ["train", "test"], columns=["image", "label"])
     images = decode_images(splits["train"], "image", "train split")  # PIL images, or a DataError
-    labels = class_labels(splits["train"], "label", 10, "train split")   # int64, checked
+    labels = class_labels(splits["train"], "label", num_classes=10, where="train split")  # int64
     x, y = cached_tensors(splits["train"], ["image", "label"], decode)  # decode() once, then a file
     require_one_batch_per_process(len(train_set), batch_size, accelerator, "the train split")
     workers = worker_count(-1, accelerator.num_processes)  # DataLoader workers: 1 a core, <= 8
@@ -346,7 +346,7 @@ def open_image(path, kind="image"):
         raise unreadable_image(path, e, kind) from None
 
 
-def crop_and_flip(images, masks, rand, crop=0, hflip=0.0, vflip=0.0):
+def crop_and_flip(images, masks, rand, *, crop=0, hflip=0.0, vflip=0.0):
     """The same crop and flips for each image of a batch and its mask, per sample, on the batch's
     device: a crop x crop window at a random place (rand[n, 0] and rand[n, 1]; crop 0: the
     whole image), flipped left to right if rand[n, 2] < hflip and upside down if rand[n, 3] <
@@ -401,7 +401,7 @@ class TensorBatches(TensorDataset):
         return tuple(t[indices] for t in self.tensors)
 
 
-def class_labels(split, column, num_classes, where):
+def class_labels(split, column, *, num_classes, where):
     """A datasets split's label column as int64 class indices, read as one column, or a
     DataError naming the column's type or the label out of range."""
     labels = split.select_columns([column]).with_format("numpy")[:][column]

@@ -51,7 +51,7 @@ def open_run(accelerator, cfg):
     if lock_output_dir(accelerator, out) and created:  # in use by another run: not ours to remove
         _created.append(out)
     checkpoint = choose_checkpoint(
-        cfg.resume, out / "checkpoints", cfg.eval_only, restarted=elastic_restart()
+        cfg.resume, out / "checkpoints", eval_only=cfg.eval_only, restarted=elastic_restart()
     )
     if cfg.resume == "latest" and not checkpoint:
         accelerator.print(

@@ -17,7 +17,7 @@
             if run.log_due:
                 accelerator.log(run.train_scalars(optimizer), step=run.step)
             if run.checkpoint_due:                     # every checkpoint_every_steps, and on a stop
-                save_checkpoint(..., {**run.state(), ...})
+                save_checkpoint(..., trainer_state={**run.state(), ...})
             if run.stopping:                           # max_steps, or Ctrl-C / SIGTERM
                 break
         train_metrics = run.epoch_metrics()

@@ -16,7 +16,9 @@ from common.config import parse_config
 mnist = load_recipe("mnist")
 
 cfg = parse_config(mnist.Config)
-accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed)
+accelerator = build_accelerator(
+    gradient_accumulation_steps=cfg.gradient_accumulation_steps, seed=cfg.seed
+)
 train_loader, _ = mnist.make_loaders(cfg)
 train_loader = accelerator.prepare(train_loader)
 seen = {}
