@@ -79,7 +79,7 @@ def build_accelerator(
     return accelerator
 
 
-PATCHED_ON = "1.15."  # the Accelerate release whose internals _ask_for_lomo_once was measured on
+PATCHED_ON = "1.15."  # the Accelerate release whose optimizer.step() _ask_for_lomo_once knows
 
 
 def accelerator_for(cfg):

@@ -15,8 +15,8 @@
 A local folder is read by `datasets.load_dataset` itself: parquet files named
 train*/test*, or the imagefolder layout train/<label>/*.png. A hub name is
 downloaded once into the Hugging Face cache. Without internet the cache is used
-if it holds the dataset, and otherwise the run stops at once with a message
-saying how to point `--dataset` at local data (instead of ~25 s of retries). A name that
+if it holds the dataset, and otherwise the run stops at once, not after the hub
+client's retries, with a message saying how to point `--dataset` at local data. A name that
 looks like a path (./x, /x, ~/x, x.parquet, or data/x where data/ exists) is never sent to
 the hub: a mistyped path says that it does not exist. A data file that does not read
 (truncated, not parquet) or an image that does not decode is named in the error.
@@ -76,9 +76,9 @@ def _hub_reachable(timeout_s=3.0):
 
 
 def _go_offline():
-    """Only the local cache from now on: a dataset missing from it fails at once, not after 20 s
-    of retries. huggingface_hub and datasets read HF_HUB_OFFLINE when first imported; where they
-    were imported already (a notebook, a test), their flags are set too."""
+    """Only the local cache from now on: a dataset missing from it fails at once, not after the
+    hub client's retries. huggingface_hub and datasets read HF_HUB_OFFLINE when first imported;
+    where they were imported already (a notebook, a test), their flags are set too."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     for module in ("huggingface_hub.constants", "datasets.config"):
         if module in sys.modules:
@@ -289,7 +289,7 @@ def cpus_per_process(processes):
 
 def worker_count(num_workers, processes):
     """num_workers; -1: a worker per CPU core of this process's share, less one for the process
-    itself, at most 8 (an H100 machine's 16 cores: 8 workers gave 1.7x over 2, 14 no more)."""
+    itself, at most 8: more did not load faster (docs/performance.md)."""
     return num_workers if num_workers >= 0 else min(8, max(1, cpus_per_process(processes) - 1))
 
 

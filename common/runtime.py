@@ -37,8 +37,8 @@ def _stop_loader_workers():
 
     After an error the iterators sit in a reference cycle with the traceback. gc.collect()
     would clear their queues before their __del__ runs, so the stop message never reaches a
-    worker and torch waits 5 s for each one: a data error found by a worker made the process
-    linger 10 s after its error line."""
+    worker, and torch waits out its timeout for each one: the process would linger after its
+    error line (docs/performance.md)."""
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
     for obj in gc.get_objects():
@@ -58,9 +58,9 @@ def run(main, config_class, argv=None):
     `--debug` shows the full traceback instead. Other exceptions keep their traceback.
     """
     debug = "--debug" in (sys.argv if argv is None else argv)
-    # What the imports made (torch, accelerate: about 400,000 objects) lives until the process
-    # ends. Out of the collector's sight, the full collections in close() and below, which drop
-    # the DDP model before the process group, take a few ms each instead of 0.15 s.
+    # What the imports made (torch, accelerate: several hundred thousand objects) lives until the
+    # process ends. Out of the collector's sight, it leaves the full collections in close() and
+    # below, which drop the DDP model before the process group, short (docs/performance.md).
     gc.freeze()
     failed = False
     try:
@@ -100,6 +100,6 @@ def run(main, config_class, argv=None):
         if PartialState._shared_state and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         # What main made (torch._dynamo, which the optimizer imports; the data) out of sight too:
-        # the interpreter's own collections at exit would walk it all, 0.4 s of every exit.
+        # the interpreter's own collections at exit would walk it all (docs/performance.md).
         gc.freeze()
     sys.exit(code)
