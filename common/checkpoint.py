@@ -121,7 +121,8 @@ def load_weights(model, path):
                 state = state["model"]
     except (SafetensorError, RuntimeError, EOFError, OSError) as e:
         raise UserError(
-            f"cannot read weights file {path} ({str(e).splitlines()[0]}): it is truncated or not a weights file"
+            f"cannot read weights file {path} ({str(e).splitlines()[0]}): it is truncated or not "
+            f"a weights file"
         ) from None
     state = _strip_prefix(_strip_prefix(state, "module."), "_orig_mod.")
     own = model.state_dict()
@@ -131,8 +132,8 @@ def load_weights(model, path):
         if resized:
             k = resized[0]
             problem = (
-                f"{len(resized)} tensors have other shapes, such as {k}: {list(state[k].shape)} in the "
-                f"file, {list(own[k].shape)} in the model"
+                f"{len(resized)} tensors have other shapes, such as {k}: "
+                f"{list(state[k].shape)} in the file, {list(own[k].shape)} in the model"
             )
         else:
             problem = f"{len(missing)} of the model's {len(own)} tensors are missing"
@@ -143,8 +144,8 @@ def load_weights(model, path):
                 else ""
             )
         raise UserError(
-            f"weights in {path} do not fit this model ({problem}): were they saved by another recipe "
-            f"or with other model settings?"
+            f"weights in {path} do not fit this model ({problem}): were they saved by another "
+            f"recipe or with other model settings?"
         )
     model.load_state_dict(state)
 
@@ -270,8 +271,8 @@ def choose_checkpoint(resume, root, *, eval_only=False, restarted=False):
         # Going on here would mix two histories: the newer checkpoints would outrank the new
         # ones, for --resume latest and for keep_checkpoints, which would delete the new ones.
         raise UserError(
-            f"{path} is older than {found[-1].name} in the same folder: to go on from it, train into "
-            f"another folder (--resume {path} --output_dir NEW_DIR)"
+            f"{path} is older than {found[-1].name} in the same folder: to go on from it, train "
+            f"into another folder (--resume {path} --output_dir NEW_DIR)"
         )
     return path
 
@@ -303,14 +304,16 @@ def load_checkpoint(accelerator, path, *, recipe, data_order=None, same=None):
     if state.get("batches_done"):
         if state.get("world_size") != accelerator.num_processes:
             raise UserError(
-                f"checkpoint {path} was written mid-epoch by {state.get('world_size')} processes: resume it with "
-                f"{state.get('world_size')} processes, or from a checkpoint written at the end of an epoch"
+                f"checkpoint {path} was written mid-epoch by {state.get('world_size')} processes: "
+                f"resume it with {state.get('world_size')} processes, or from a checkpoint written "
+                f"at the end of an epoch"
             )
         for name, value in (data_order or {}).items():
             if name in state and state[name] != value:
                 raise UserError(
-                    f"checkpoint {path} was written mid-epoch with {name} {state[name]}, not {value}: resume it "
-                    f"with --{name} {state[name]}, or from a checkpoint written at the end of an epoch"
+                    f"checkpoint {path} was written mid-epoch with {name} {state[name]}, not "
+                    f"{value}: resume it with --{name} {state[name]}, or from a checkpoint written "
+                    f"at the end of an epoch"
                 )
     for name, value in (same or {}).items():
         if state.get(name, 0) != value:
@@ -330,15 +333,16 @@ def load_checkpoint(accelerator, path, *, recipe, data_order=None, same=None):
         EOFError,
         pickle.UnpicklingError,
     ) as e:
-        # The first line that says something: torch's load_state_dict starts with "Error(s) in loading ...".
+        # The first line that says something: load_state_dict's starts "Error(s) in loading".
         first = [
             line.strip()
             for line in str(e).splitlines()
             if line.strip() and "Error(s) in" not in line
         ][:1]
         raise UserError(
-            f"cannot load checkpoint {path} ({first[0][:200] if first else type(e).__name__}): it is truncated "
-            f"or was saved with other model settings; resume from another checkpoint"
+            f"cannot load checkpoint {path} ({first[0][:200] if first else type(e).__name__}): "
+            f"it is truncated or was saved with other model settings; resume from another "
+            f"checkpoint"
         ) from None
     accelerator.print(f"resumed from {path} (epoch {state.get('epoch')}, step {state.get('step')})")
     return state

@@ -361,8 +361,8 @@ def help_text(cls):
         f"usage: python {_script(cls)} [--config FILE.yaml] [--name value ...]",
         "Settings: the defaults, then --config YAML, then the command line; machine settings: the "
         "accelerate config.",
-        "A BOOL alone (--smoke) means true; none clears a setting whose default is none; auto leaves",
-        "a BOOL whose default is auto to the run, which decides from the data, weights and device.",
+        "A BOOL alone (--smoke) means true; none clears a setting whose default is none; auto",
+        "leaves a BOOL whose default is auto to the run, to decide from data, weights and device.",
     ]
     shown = None
     for f in dataclasses.fields(cls):

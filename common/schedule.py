@@ -65,7 +65,7 @@ def fit_cosine(scheduler, cfg, progress, *, steps_per_epoch):
     # end_step is saved with the schedule's state: a resume with the same plan leaves it as it is.
     if steps_left > 0 and end != getattr(scheduler, "end_step", None):
         scheduler.end_step = end
-        # The schedule counts the steps it was stepped on: fp16 steps that the scaler skipped are not among them.
+        # The schedule counts the steps it was stepped on, not the fp16 steps the scaler skipped.
         if scheduler.last_epoch + steps_left != scheduler.T_max:
             scheduler.T_max = scheduler.last_epoch + steps_left
             for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):

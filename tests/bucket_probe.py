@@ -1,6 +1,6 @@
 """Launched by test_sampler.py on 1 or 2 processes: bucket_loader on mixed-size data, for real.
 
-    python tests/bucket_probe.py SIZES.json      # {"train": [[h, w], ...], "test": [...], "budget": N}
+    python tests/bucket_probe.py SIZES.json  # {"train": [[h, w], ...], "test": [...], "budget": N}
 
 It trains two epochs with a DDP model and one more all_reduce per batch (a rank with fewer
 batches than the other would hang there), replays epoch 1, skips into epoch 2 as a mid-epoch

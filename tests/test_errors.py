@@ -244,8 +244,8 @@ def test_a_launch_accelerate_would_run_as_independent_trainings_stops_with_one_l
     )
     errors = [line for line in res.output.splitlines() if line.startswith("error")]
     assert res.returncode != 0 and errors == [
-        "error: distributed_type FSDP needs GPUs, and this machine has none: for several CPU processes use "
-        "accelerate_configs/2gpu.yaml (DDP over gloo)"
+        "error: distributed_type FSDP needs GPUs, and this machine has none: for several CPU "
+        "processes use accelerate_configs/2gpu.yaml (DDP over gloo)"
     ], res
     assert not (tmp_path / "out").exists()
 

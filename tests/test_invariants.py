@@ -159,13 +159,14 @@ def test_one_pair_writes_and_checks_what_a_checkpoint_holds(tmp_path):
         (
             cfg.__class__(**{**vars(cfg), "ema_decay": 0.9}),
             {},
-            "was written with ema_decay 0.0, not 0.9: resume it with --ema_decay 0.0, or start a new run",
+            "was written with ema_decay 0.0, not 0.9: resume it with --ema_decay 0.0, or start a "
+            "new run",
         ),
         (
             cfg,
             {"mask_values": [0, 128, 255]},
-            "was written with mask_values 0,255, not 0,128,255: resume it with --mask_values 0,255, or "
-            "start a new run",
+            "was written with mask_values 0,255, not 0,128,255: resume it with --mask_values "
+            "0,255, or start a new run",
         ),
     ]
     for other, extras, message in cases:
