@@ -59,8 +59,9 @@ def run(main, config_class, argv=None):
     """
     debug = "--debug" in (sys.argv if argv is None else argv)
     # What the imports made (torch, accelerate: several hundred thousand objects) lives until the
-    # process ends. Out of the collector's sight, it leaves the full collections in close() and
-    # below, which drop the DDP model before the process group, short (docs/performance.md).
+    # process ends. Out of the collector's sight, it leaves the full collections in close()
+    # (common/accelerator.py) and below, which drop the DDP model before the process group,
+    # short (docs/performance.md).
     gc.freeze()
     failed = False
     try:
