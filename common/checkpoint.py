@@ -2,7 +2,7 @@
 
 Training state (for resuming):
 
-    save_checkpoint(accelerator, out / "checkpoints", step, {"epoch": 2, "batches_done": 17, ...}, keep=3)
+    save_checkpoint(accelerator, out / "checkpoints", step=123, trainer_state={"epoch": 2, ...})
     path = choose_checkpoint("latest", out / "checkpoints")    # None: start afresh
     trainer_state = load_checkpoint(accelerator, path, recipe="mnist")
 
@@ -14,7 +14,7 @@ writing leaves the previous checkpoints intact.
 
 Weights (for inference and fine-tuning):
 
-    save_weights(accelerator, model, out / "model.safetensors", {"recipe": "mnist"})
+    save_weights(accelerator, model, out / "model.safetensors", metadata={"recipe": "mnist"})
     load_weights(model, "model.safetensors")      # also a DDP-era .pt with 'module.' keys
 """
 
@@ -53,7 +53,7 @@ def _why(error, folder):
     return str(error).strip().splitlines()[0][:200]
 
 
-def _stop_on_write_error(accelerator, problem, path, root=None, partial=None):
+def _stop_on_write_error(accelerator, problem, path, *, root=None, partial=None):
     """A collective: if writing `path` failed on any rank, the main process removes `partial`
     (what was written of it), and every rank raises one UserError that names the path and the
     problem, and where an exact resume can start."""
@@ -71,7 +71,7 @@ def _stop_on_write_error(accelerator, problem, path, root=None, partial=None):
         )
 
 
-def save_weights(accelerator, model, path, metadata=None):
+def save_weights(accelerator, model, path, *, metadata=None):
     """Write the unwrapped model's weights from the main process, atomically (temp file + rename).
     The keys are the plain model's, also when the accelerate config compiles it (dynamo_backend).
     If the file cannot be written (a full disk), no partial file is left and every rank stops
@@ -93,7 +93,7 @@ def save_weights(accelerator, model, path, metadata=None):
             os.replace(tmp, path)
         except WRITE_ERRORS as e:
             problem = _why(e, path.parent)
-    _stop_on_write_error(accelerator, problem, path, path.parent / "checkpoints", partial=tmp)
+    _stop_on_write_error(accelerator, problem, path, root=path.parent / "checkpoints", partial=tmp)
 
 
 def _strip_prefix(state, prefix):
@@ -122,7 +122,8 @@ def load_weights(model, path):
                 state = state["model"]
     except (SafetensorError, RuntimeError, EOFError, OSError) as e:
         raise UserError(
-            f"cannot read weights file {path} ({str(e).splitlines()[0]}): it is truncated or not a weights file"
+            f"cannot read weights file {path} ({str(e).splitlines()[0]}): it is truncated or not "
+            f"a weights file"
         ) from None
     state = _strip_prefix(_strip_prefix(state, "module."), "_orig_mod.")
     own = model.state_dict()
@@ -132,8 +133,8 @@ def load_weights(model, path):
         if resized:
             k = resized[0]
             problem = (
-                f"{len(resized)} tensors have other shapes, such as {k}: {list(state[k].shape)} in the "
-                f"file, {list(own[k].shape)} in the model"
+                f"{len(resized)} tensors have other shapes, such as {k}: "
+                f"{list(state[k].shape)} in the file, {list(own[k].shape)} in the model"
             )
         else:
             problem = f"{len(missing)} of the model's {len(own)} tensors are missing"
@@ -144,8 +145,8 @@ def load_weights(model, path):
                 else ""
             )
         raise UserError(
-            f"weights in {path} do not fit this model ({problem}): were they saved by another recipe "
-            f"or with other model settings?"
+            f"weights in {path} do not fit this model ({problem}): were they saved by another "
+            f"recipe or with other model settings?"
         )
     model.load_state_dict(state)
 
@@ -182,7 +183,7 @@ def _job_store():
     )
 
 
-def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
+def save_checkpoint(accelerator, root, *, step, trainer_state, keep=3):
     """Write the full training state as root/step-NNNNNNNN, atomically; keep the newest `keep`.
 
     Every rank must call it (each saves its own RNG state); only the main process renames
@@ -207,9 +208,8 @@ def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
     except WRITE_ERRORS as e:
         problem = _why(e, root)
-    _stop_on_write_error(
-        accelerator, problem, final, root, partial=tmp
-    )  # and the barrier before the rename
+    # A collective: also the barrier before the rename.
+    _stop_on_write_error(accelerator, problem, final, root=root, partial=tmp)
     if accelerator.is_main_process:
         aside = root / f".old-{final.name}"
         if final.exists():  # the same step again (an epoch end that is also a periodic checkpoint)
@@ -226,7 +226,7 @@ def save_checkpoint(accelerator, root, step, trainer_state, keep=3):
     return final
 
 
-def choose_checkpoint(resume, root, eval_only=False, restarted=False):
+def choose_checkpoint(resume, root, *, eval_only=False, restarted=False):
     """The checkpoint to continue from, or None to start afresh.
 
     resume: None, "latest" (the newest under root, if any) or a checkpoint folder.
@@ -272,13 +272,13 @@ def choose_checkpoint(resume, root, eval_only=False, restarted=False):
         # Going on here would mix two histories: the newer checkpoints would outrank the new
         # ones, for --resume latest and for keep_checkpoints, which would delete the new ones.
         raise UserError(
-            f"{path} is older than {found[-1].name} in the same folder: to go on from it, train into "
-            f"another folder (--resume {path} --output_dir NEW_DIR)"
+            f"{path} is older than {found[-1].name} in the same folder: to go on from it, train "
+            f"into another folder (--resume {path} --output_dir NEW_DIR)"
         )
     return path
 
 
-def load_checkpoint(accelerator, path, recipe, data_order=None, same=None):
+def load_checkpoint(accelerator, path, *, recipe, data_order=None, same=None):
     """Restore what save_checkpoint wrote into the prepared objects; return trainer_state.
 
     data_order: {setting: value} of the settings that decide which batches each rank gets,
@@ -305,14 +305,16 @@ def load_checkpoint(accelerator, path, recipe, data_order=None, same=None):
     if state.get("batches_done"):
         if state.get("world_size") != accelerator.num_processes:
             raise UserError(
-                f"checkpoint {path} was written mid-epoch by {state.get('world_size')} processes: resume it with "
-                f"{state.get('world_size')} processes, or from a checkpoint written at the end of an epoch"
+                f"checkpoint {path} was written mid-epoch by {state.get('world_size')} processes: "
+                f"resume it with {state.get('world_size')} processes, or from a checkpoint written "
+                f"at the end of an epoch"
             )
         for name, value in (data_order or {}).items():
             if name in state and state[name] != value:
                 raise UserError(
-                    f"checkpoint {path} was written mid-epoch with {name} {state[name]}, not {value}: resume it "
-                    f"with --{name} {state[name]}, or from a checkpoint written at the end of an epoch"
+                    f"checkpoint {path} was written mid-epoch with {name} {state[name]}, not "
+                    f"{value}: resume it with --{name} {state[name]}, or from a checkpoint written "
+                    f"at the end of an epoch"
                 )
     for name, value in (same or {}).items():
         if state.get(name, 0) != value:
@@ -332,15 +334,16 @@ def load_checkpoint(accelerator, path, recipe, data_order=None, same=None):
         EOFError,
         pickle.UnpicklingError,
     ) as e:
-        # The first line that says something: torch's load_state_dict starts with "Error(s) in loading ...".
+        # The first line that says something: load_state_dict's starts "Error(s) in loading".
         first = [
             line.strip()
             for line in str(e).splitlines()
             if line.strip() and "Error(s) in" not in line
         ][:1]
         raise UserError(
-            f"cannot load checkpoint {path} ({first[0][:200] if first else type(e).__name__}): it is truncated "
-            f"or was saved with other model settings; resume from another checkpoint"
+            f"cannot load checkpoint {path} ({first[0][:200] if first else type(e).__name__}): "
+            f"it is truncated or was saved with other model settings; resume from another "
+            f"checkpoint"
         ) from None
     accelerator.print(f"resumed from {path} (epoch {state.get('epoch')}, step {state.get('step')})")
     return state
@@ -355,7 +358,7 @@ def _as_setting(value):
 SAME_ON_RESUME = ("ema_decay",)
 
 
-def save_training(accelerator, cfg, progress, scheduler, recipe, data_order, **extras):
+def save_training(accelerator, cfg, *, progress, scheduler, recipe, data_order, **extras):
     """Every rank: a checkpoint of the run where `progress` is, under output_dir/checkpoints.
 
     What it holds, besides Accelerate's state, is listed here once, and resume_training checks
@@ -370,10 +373,16 @@ def save_training(accelerator, cfg, progress, scheduler, recipe, data_order, **e
         **progress.state(),
         "scheduler": scheduler.state_dict(),
     }
-    save_checkpoint(accelerator, progress.checkpoints, progress.step, state, cfg.keep_checkpoints)
+    save_checkpoint(
+        accelerator,
+        progress.checkpoints,
+        step=progress.step,
+        trainer_state=state,
+        keep=cfg.keep_checkpoints,
+    )
 
 
-def resume_training(accelerator, path, cfg, progress, scheduler, recipe, data_order, **extras):
+def resume_training(accelerator, path, cfg, *, progress, scheduler, recipe, data_order, **extras):
     """Continue from what save_training wrote at `path`, with one line for each way it does
     not fit this run: another recipe; for a mid-epoch checkpoint, other data_order settings or
     another process count (eval_only reads any); other SAME_ON_RESUME settings or `extras`; a
@@ -381,7 +390,7 @@ def resume_training(accelerator, path, cfg, progress, scheduler, recipe, data_or
     returns trainer_state. Then common.schedule.fit_schedule fits the schedule to the plan."""
     order = None if cfg.eval_only else {k: getattr(cfg, k) for k in data_order}
     same = {**{k: getattr(cfg, k) for k in SAME_ON_RESUME}, **extras}
-    state = load_checkpoint(accelerator, path, recipe, order, same)
+    state = load_checkpoint(accelerator, path, recipe=recipe, data_order=order, same=same)
     if not cfg.eval_only:  # evaluating steps no schedule
         scheduler.load_state_dict(same_kind(scheduler, state["scheduler"], path))
     progress.load(state)

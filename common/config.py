@@ -156,7 +156,7 @@ def _a(kind, optional=False):
     return {int: "an int", float: "a float", str: "a string", bool: "a bool (true/false)"}[kind]
 
 
-def _convert(value, kind, optional, where):
+def _convert(value, kind, *, optional, where):
     """Convert a YAML value or a command-line string to the field's type, or raise ConfigError.
     An Optional[bool] takes auto (or none) too: None, which the recipe resolves when it runs."""
     empty = {"none", "null", "auto"} if kind is bool else {"none", "null"}
@@ -263,7 +263,8 @@ def parse_config(cls, argv=None):
         for name, value in read_yaml(config_files[0]).items():
             check_name(name, config_files[0])
             kind, optional = _field_type(cls, fields[name])
-            values[name] = _convert(value, kind, optional, f"{name} in {config_files[0]}")
+            where = f"{name} in {config_files[0]}"
+            values[name] = _convert(value, kind, optional=optional, where=where)
 
     for name, value in pairs:
         if name == "config":
@@ -274,7 +275,7 @@ def parse_config(cls, argv=None):
             value = True
         elif value is None:
             raise ConfigError(f"--{name} needs a value")
-        values[name] = _convert(value, kind, optional, f"--{name}")
+        values[name] = _convert(value, kind, optional=optional, where=f"--{name}")
 
     cfg = cls(**values)
     if hasattr(cfg, "validate"):
@@ -360,8 +361,8 @@ def help_text(cls):
         f"usage: python {_script(cls)} [--config FILE.yaml] [--name value ...]",
         "Settings: the defaults, then --config YAML, then the command line; machine settings: the "
         "accelerate config.",
-        "A BOOL alone (--smoke) means true; none clears a setting whose default is none; auto leaves",
-        "a BOOL whose default is auto to the run, which decides from the data, weights and device.",
+        "A BOOL alone (--smoke) means true; none clears a setting whose default is none; auto",
+        "leaves a BOOL whose default is auto to the run, to decide from data, weights and device.",
     ]
     shown = None
     for f in dataclasses.fields(cls):

@@ -4,7 +4,7 @@
                          hint="use --dataset data/mnist_sample")   # said if it cannot be loaded
     splits = load_splits("data/mnist_sample", ["train", "test"], columns=["image", "label"])
     images = decode_images(splits["train"], "image", "train split")  # PIL images, or a DataError
-    labels = class_labels(splits["train"], "label", 10, "train split")   # int64, checked
+    labels = class_labels(splits["train"], "label", num_classes=10, where="train split")  # int64
     require_one_batch_per_process(len(train_set), batch_size, accelerator, "the train split")
     workers = worker_count(-1, accelerator.num_processes)  # DataLoader workers: 1 a core, <= 8
     loader = seeded_loader(train_set, 64, True, seed, workers)  # for prepare() to shard
@@ -14,8 +14,8 @@
 A local folder is read by `datasets.load_dataset` itself: parquet files named
 train*/test*, or the imagefolder layout train/<label>/*.png. A hub name is
 downloaded once into the Hugging Face cache. Without internet the cache is used
-if it holds the dataset, and otherwise the run stops at once with a message
-saying how to point `--dataset` at local data (instead of ~25 s of retries). A name that
+if it holds the dataset, and otherwise the run stops at once, not after the hub
+client's retries, with a message saying how to point `--dataset` at local data. A name that
 looks like a path (./x, /x, ~/x, x.parquet, or data/x where data/ exists) is never sent to
 the hub: a mistyped path says that it does not exist. A data file that does not read
 (truncated, not parquet) or an image that does not decode is named in the error.
@@ -72,9 +72,9 @@ def _hub_reachable(timeout_s=3.0):
 
 
 def _go_offline():
-    """Only the local cache from now on: a dataset missing from it fails at once, not after 20 s
-    of retries. huggingface_hub and datasets read HF_HUB_OFFLINE when first imported; where they
-    were imported already (a notebook, a test), their flags are set too."""
+    """Only the local cache from now on: a dataset missing from it fails at once, not after the
+    hub client's retries. huggingface_hub and datasets read HF_HUB_OFFLINE when first imported;
+    where they were imported already (a notebook, a test), their flags are set too."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     for module in ("huggingface_hub.constants", "datasets.config"):
         if module in sys.modules:
@@ -236,7 +236,7 @@ def cpus_per_process(processes):
 
 def worker_count(num_workers, processes):
     """num_workers; -1: a worker per CPU core of this process's share, less one for the process
-    itself, at most 8 (an H100 machine's 16 cores: 8 workers gave 1.7x over 2, 14 no more)."""
+    itself, at most 8: more did not load faster (docs/performance.md)."""
     return num_workers if num_workers >= 0 else min(8, max(1, cpus_per_process(processes) - 1))
 
 
@@ -293,7 +293,7 @@ def open_image(path, kind="image"):
         raise unreadable_image(path, e, kind) from None
 
 
-def crop_and_flip(images, masks, rand, crop=0, hflip=0.0, vflip=0.0):
+def crop_and_flip(images, masks, rand, *, crop=0, hflip=0.0, vflip=0.0):
     """The same crop and flips for each image of a batch and its mask, per sample, on the batch's
     device: a crop x crop window at a random place (rand[n, 0] and rand[n, 1]; crop 0: the
     whole image), flipped left to right if rand[n, 2] < hflip and upside down if rand[n, 3] <
@@ -309,7 +309,11 @@ def crop_and_flip(images, masks, rand, crop=0, hflip=0.0, vflip=0.0):
     rows, cols = torch.arange(h, device=device)[None], torch.arange(w, device=device)[None]
     rows = torch.where(rand[:, 3:4] < vflip, h - 1 - rows, rows) + top  # [N, h]
     cols = torch.where(rand[:, 2:3] < hflip, w - 1 - cols, cols) + left  # [N, w]
-    batch, rows, cols = torch.arange(n, device=device)[:, None, None], rows[:, :, None], cols[:, None]
+    batch, rows, cols = (
+        torch.arange(n, device=device)[:, None, None],
+        rows[:, :, None],
+        cols[:, None],
+    )
     # Indexing with a slice between the index tensors puts the channels last: [N, h, w, C].
     return images[batch, :, rows, cols].permute(0, 3, 1, 2).contiguous(), masks[batch, rows, cols]
 
@@ -350,7 +354,7 @@ class TensorBatches(TensorDataset):
         return tuple(t[indices] for t in self.tensors)
 
 
-def class_labels(split, column, num_classes, where):
+def class_labels(split, column, *, num_classes, where):
     """A datasets split's label column as int64 class indices, read as one column, or a
     DataError naming the column's type or the label out of range."""
     labels = split.select_columns([column]).with_format("numpy")[:][column]

@@ -19,7 +19,7 @@ def set_deterministic(enabled, benchmark=True):
     kernel raise a RuntimeError naming it, rather than vary silently. One that segmentation
     meets: F.cross_entropy on [N, C, H, W] logits with reduction "mean"/"sum" or ignore_index
     (nll_loss2d); take reduction="none" and average the pixels yourself. The cost is speed:
-    on a small U-Net-like network on an H100, training steps took 10-20% longer.
+    slower kernels, so longer training steps (docs/performance.md).
 
     enabled=False: cudnn.benchmark times the convolution algorithms for each new input shape
     and keeps the fastest. With fixed shapes that is the fastest setting; with many different
@@ -30,8 +30,8 @@ def set_deterministic(enabled, benchmark=True):
     """
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    # Switching it off when it is off already would import torch's compiler for nothing (about
-    # 1 s: use_deterministic_algorithms sets an inductor option too).
+    # Switching it off when it is off already would import torch's compiler for nothing, a slow
+    # import (use_deterministic_algorithms sets an inductor option too).
     if enabled or torch.are_deterministic_algorithms_enabled():
         torch.use_deterministic_algorithms(enabled, warn_only=False)
     torch.backends.cudnn.deterministic = enabled

@@ -2,7 +2,10 @@
 callable that runs such a file with onnxruntime where predict runs the torch model.
 
     model = BasicNet(); load_weights(model, cfg.weights)
-    export_onnx(accelerator, model, [x, x[:1]], cfg.weights, {"recipe": "mnist"}, {0: "batch"})
+    export_onnx(
+        accelerator, model, inputs=[x, x[:1]], weights=cfg.weights, metadata={"recipe": "mnist"},
+        dynamic={0: "batch"},   # axes of any size
+    )
     logits = OnnxModel("runs/mnist/model.onnx")(x)   # float NCHW tensor in, logits tensor out
     onnx_metadata("runs/mnist/model.onnx")           # the weights file's metadata, carried over
 
@@ -75,7 +78,7 @@ class OnnxModel:
         return torch.from_numpy(logits).to(x.device)
 
 
-def write_onnx(model, example, path, metadata, dynamic):
+def write_onnx(model, example, path, *, metadata, dynamic):
     """Export `model` (on the CPU, in eval mode) traced on `example` to `path`, one file, with
     `metadata` in its metadata_props. dynamic: {axis: name} of the input and output axes that
     take any size, such as {0: "batch"}; the others keep the example's size."""
@@ -112,7 +115,7 @@ def check_onnx(model, path, inputs):
     return worst
 
 
-def export_onnx(accelerator, model, inputs, weights, metadata, dynamic, what=""):
+def export_onnx(accelerator, model, *, inputs, weights, metadata, dynamic, what=""):
     """Write the weights file `weights` as an .onnx file of the same name beside it, whose
     metadata_props carry the weights file's metadata and `metadata`. Before it takes its name,
     onnxruntime must give PyTorch's logits on each batch of `inputs` (real data; batches of other
@@ -125,7 +128,8 @@ def export_onnx(accelerator, model, inputs, weights, metadata, dynamic, what="")
     path = Path(weights).with_suffix(".onnx")
     tmp = path.with_name(f".{path.stem}.tmp.onnx")
     try:
-        write_onnx(model, inputs[0], tmp, {**weights_metadata(weights), **metadata}, dynamic)
+        metadata = {**weights_metadata(weights), **metadata}
+        write_onnx(model, inputs[0], tmp, metadata=metadata, dynamic=dynamic)
         worst = check_onnx(model, tmp, inputs)
         os.replace(tmp, path)
     except OSError as e:

@@ -17,7 +17,7 @@
             if run.log_due:
                 accelerator.log(run.train_scalars(optimizer), step=run.step)
             if run.checkpoint_due:                     # every checkpoint_every_steps, and on a stop
-                save_checkpoint(..., {**run.state(), ...})
+                save_checkpoint(..., trainer_state={**run.state(), ...})
             if run.stopping:                           # max_steps, or Ctrl-C / SIGTERM
                 break
         train_metrics = run.epoch_metrics()
@@ -36,7 +36,7 @@ import torch
 from accelerate.utils import broadcast
 
 from common.metrics import Throughput, TrainLoss, peak_memory_mb
-from common.runtime import training_started
+from common.outputs import training_started
 from common.signals import stop_requested
 
 CHECK_EVERY = 10  # optimizer steps between looks for a nan loss and for Ctrl-C on any rank
@@ -107,7 +107,7 @@ class Progress:
 
     def start_epoch(self, batches):
         """Reset the epoch's meters. batches: what the loader yields (the rest, after a resume)."""
-        training_started()
+        training_started(self.cfg.output_dir)
         self.losses = TrainLoss(self.accelerator.device, self.step)
         self.speed, self.window = Throughput(), Throughput()
         loss_sum, samples, self.skipped = self.carried  # a resumed epoch's batches before the stop
@@ -150,7 +150,8 @@ class Progress:
         return True
 
     def train_scalars(self, optimizer):
-        """The tracker's training scalars since the last call: loss over all ranks, lr, samples/s."""
+        """The training scalars for the tracker since the last call: the loss over all ranks,
+        lr and samples/s."""
         scalars = {
             "train/loss": self.losses.window(self.accelerator),
             "train/lr": optimizer.param_groups[0]["lr"],

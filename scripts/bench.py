@@ -14,7 +14,7 @@ One process trains the same model (the recipe's own class, optimizer, schedule, 
 settings, `--config` preset included, in the precision of the accelerate config) in three ways:
 
 - recipe:  the recipe as users run it: its loaders, prepared by the Accelerator that
-           common.runtime.build_accelerator() builds, its optimizer and schedule, and its own
+           common.accelerator.build_accelerator() builds, its optimizer and schedule, and its own
            train_one_epoch() with a common.progress.Progress.
 - bound:   the same training step on batches that are already normalised floats on the device,
            a fixed list cycled: the compute bound, with no data path (and no augmentation) at all.
@@ -88,7 +88,7 @@ from bench_tools.timing import (  # noqa: E402
 )
 from bench_tools.unet import bench_loader, bench_unet  # noqa: E402
 
-from common.runtime import build_accelerator, close  # noqa: E402
+from common.accelerator import build_accelerator, close  # noqa: E402
 
 # Each recipe's bench, and its defaults for what the command line leaves out. A U-Net step takes
 # about 0.8 s on 2 CPU cores, so the U-Net measures 3 repetitions, not 7: 4 variants x (1 + 3)

@@ -1,6 +1,6 @@
 """Launched by test_sampler.py on 1 or 2 processes: bucket_loader on mixed-size data, for real.
 
-    python tests/bucket_probe.py SIZES.json      # {"train": [[h, w], ...], "test": [...], "budget": N}
+    python tests/bucket_probe.py SIZES.json  # {"train": [[h, w], ...], "test": [...], "budget": N}
 
 It trains two epochs with a DDP model and one more all_reduce per batch (a rank with fewer
 batches than the other would hang there), replays epoch 1, skips into epoch 2 as a mid-epoch
@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 
-from common.runtime import build_accelerator, close  # noqa: E402
+from common.accelerator import build_accelerator, close  # noqa: E402
 from common.sampler import bucket_loader  # noqa: E402
 
 SEED, RESUME_AT = 3, 2

@@ -18,8 +18,8 @@ from recipe_module import load_recipe  # first: it puts the repository on sys.pa
 from safetensors import safe_open
 from torch.nn.parallel import DistributedDataParallel
 
+from common.accelerator import build_accelerator, close
 from common.checkpoint import save_weights
-from common.runtime import build_accelerator, close
 
 unet = load_recipe("unet")
 

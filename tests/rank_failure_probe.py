@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from common.runtime import build_accelerator  # noqa: E402
+from common.accelerator import build_accelerator  # noqa: E402
 
 mode, timeout_s = sys.argv[1], int(sys.argv[2])
 accelerator = build_accelerator(timeout_s=timeout_s)

@@ -10,13 +10,15 @@ from pathlib import Path
 
 from recipe_module import load_recipe  # first: it puts the repository on sys.path
 
+from common.accelerator import build_accelerator, close
 from common.config import parse_config
-from common.runtime import build_accelerator, close
 
 mnist = load_recipe("mnist")
 
 cfg = parse_config(mnist.Config)
-accelerator = build_accelerator(cfg.gradient_accumulation_steps, cfg.seed)
+accelerator = build_accelerator(
+    gradient_accumulation_steps=cfg.gradient_accumulation_steps, seed=cfg.seed
+)
 train_loader, _ = mnist.make_loaders(cfg)
 train_loader = accelerator.prepare(train_loader)
 seen = {}

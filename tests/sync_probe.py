@@ -15,7 +15,7 @@ import sys
 import torch
 from recipe_module import load_recipe  # first: it puts the repository on sys.path
 
-from common.runtime import build_accelerator, close
+from common.accelerator import build_accelerator, close
 
 mnist_dir, shapes_dir = sys.argv[1:3]
 mnist, unet = load_recipe("mnist"), load_recipe("unet")

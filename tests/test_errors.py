@@ -244,8 +244,8 @@ def test_a_launch_accelerate_would_run_as_independent_trainings_stops_with_one_l
     )
     errors = [line for line in res.output.splitlines() if line.startswith("error")]
     assert res.returncode != 0 and errors == [
-        "error: distributed_type FSDP needs GPUs, and this machine has none: for several CPU processes use "
-        "accelerate_configs/2gpu.yaml (DDP over gloo)"
+        "error: distributed_type FSDP needs GPUs, and this machine has none: for several CPU "
+        "processes use accelerate_configs/2gpu.yaml (DDP over gloo)"
     ], res
     assert not (tmp_path / "out").exists()
 
@@ -255,7 +255,7 @@ def test_an_output_dir_that_cannot_be_created_is_one_line_not_ignored(tmp_path, 
     # any other, such as a disk full at that moment, stops the run where it happened.
     from types import SimpleNamespace
 
-    from common import runtime
+    from common import outputs
     from common.config import UserError
 
     real_mkdir = Path.mkdir
@@ -271,5 +271,5 @@ def test_an_output_dir_that_cannot_be_created_is_one_line_not_ignored(tmp_path, 
         match=r"^output_dir .*run is not writable \(No space left on device\): "
         r"choose another --output_dir$",
     ):
-        runtime.open_run(SimpleNamespace(is_main_process=True), cfg)
+        outputs.open_run(SimpleNamespace(is_main_process=True), cfg)
     assert not (tmp_path / "run").exists()

@@ -310,7 +310,7 @@ def test_export_runs_on_one_process(mnist_weights, tiny_mnist):
 def test_an_export_that_differs_from_torch_is_one_line(tmp_path):
     torch.manual_seed(0)
     conv, x = torch.nn.Conv2d(3, 2, 3), torch.rand(2, 3, 8, 8)
-    write_onnx(conv, x, tmp_path / "conv.onnx", {"recipe": "test"}, {0: "batch"})
+    write_onnx(conv, x, tmp_path / "conv.onnx", metadata={"recipe": "test"}, dynamic={0: "batch"})
     assert check_onnx(conv, tmp_path / "conv.onnx", [x, x[:1]]) <= 1e-4
     with torch.no_grad():
         conv.bias += 1e-3  # the file no longer matches the model

@@ -6,7 +6,7 @@ import re
 import accelerate
 import accelerate.optimizer
 
-from common import runtime
+from common.accelerator import _ask_for_lomo_once
 
 
 def test_the_accelerate_patch_applies_only_on_the_release_it_was_measured_on(monkeypatch):
@@ -16,7 +16,7 @@ def test_the_accelerate_patch_applies_only_on_the_release_it_was_measured_on(mon
     for version, patched in (("1.15.0", True), ("1.16.0", False), ("1.1.5", False)):
         monkeypatch.setattr(accelerate, "__version__", version)
         monkeypatch.setattr(accelerate.optimizer, "is_lomo_available", is_lomo_available)
-        runtime._ask_for_lomo_once()
+        _ask_for_lomo_once()
         assert hasattr(accelerate.optimizer.is_lomo_available, "cache_info") == patched, version
     assert accelerate.optimizer.is_lomo_available is is_lomo_available  # 1.1.5 left it alone
 
@@ -95,7 +95,13 @@ def saved_run(tmp_path, **settings):
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 1.0, total_steps=16)
     save_training(
-        accelerator, cfg, progress, scheduler, "mnist", mnist.DATA_ORDER, mask_values=[0, 255]
+        accelerator,
+        cfg,
+        progress=progress,
+        scheduler=scheduler,
+        recipe="mnist",
+        data_order=mnist.DATA_ORDER,
+        mask_values=[0, 255],
     )
     return mnist, cfg, optimizer, tmp_path / "checkpoints" / "step-00000003"
 
@@ -133,10 +139,10 @@ def test_one_pair_writes_and_checks_what_a_checkpoint_holds(tmp_path):
             FakeAccelerator(),
             path,
             cfg,
-            progress,
-            scheduler,
-            "mnist",
-            mnist.DATA_ORDER,
+            progress=progress,
+            scheduler=scheduler,
+            recipe="mnist",
+            data_order=mnist.DATA_ORDER,
             **{"mask_values": [0, 255], **extras},
         )
         return progress, scheduler
@@ -153,13 +159,14 @@ def test_one_pair_writes_and_checks_what_a_checkpoint_holds(tmp_path):
         (
             cfg.__class__(**{**vars(cfg), "ema_decay": 0.9}),
             {},
-            "was written with ema_decay 0.0, not 0.9: resume it with --ema_decay 0.0, or start a new run",
+            "was written with ema_decay 0.0, not 0.9: resume it with --ema_decay 0.0, or start a "
+            "new run",
         ),
         (
             cfg,
             {"mask_values": [0, 128, 255]},
-            "was written with mask_values 0,255, not 0,128,255: resume it with --mask_values 0,255, or "
-            "start a new run",
+            "was written with mask_values 0,255, not 0,128,255: resume it with --mask_values "
+            "0,255, or start a new run",
         ),
     ]
     for other, extras, message in cases:
@@ -207,10 +214,11 @@ def test_one_schedule_policy_refits_a_cosine_and_refuses_a_onecycle_whose_plan_c
                 "has a onecycle schedule of 16 steps, this run plans a onecycle schedule of"
             ),
         ):
-            fit_schedule(onecycle, changed, here, batches, checkpoint="step-00000008")
-    fit_schedule(
-        onecycle, cfg.__class__(epochs=3, eval_only=True, resume="x"), here, 8
-    )  # evaluates only
+            fit_schedule(
+                onecycle, changed, here, batches_per_epoch=batches, checkpoint="step-00000008"
+            )
+    evaluates_only = cfg.__class__(epochs=3, eval_only=True, resume="x")
+    fit_schedule(onecycle, evaluates_only, here, batches_per_epoch=8)
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1)
     fit_schedule(cosine, cfg, SimpleNamespace(epoch=1, batches_done=0, step=0), batches_per_epoch=8)

@@ -119,7 +119,7 @@ def test_a_mask_value_outside_mask_values_stops_every_rank_with_one_line(bad_sha
 @pytest.mark.slow
 def test_a_mask_that_does_not_fit_its_image_is_named(shapes, unet, tmp_path):
     # What the scan says; the launch above shows that what rank 1 finds reaches the user once.
-    from common.runtime import build_accelerator
+    from common.accelerator import build_accelerator
 
     bad = copy_with_a_bad_mask(
         shapes, unet, tmp_path / "data", lambda m: m.resize((SIZE, SIZE - 1))
@@ -140,7 +140,7 @@ def test_a_mask_that_does_not_fit_its_image_is_named(shapes, unet, tmp_path):
 def data_error(unet, **settings):
     """The one-line DataError that the recipe's load_data() stops with: a launch would print it
     as `error: ...` (test_a_mask_value_outside_mask_values_stops_every_rank_with_one_line)."""
-    from common.runtime import build_accelerator
+    from common.accelerator import build_accelerator
 
     cfg = unet.Config(val_fraction=VAL_FRACTION, **settings)
     with pytest.raises(DataError) as e:
@@ -282,7 +282,7 @@ def test_a_bad_file_found_by_the_scan_stops_both_ranks_with_one_line(unet, shape
 @pytest.mark.parametrize("change", [truncate, garble], ids=["truncated mask", "garbage mask"])
 def test_a_bad_mask_found_by_the_scan_is_named(change, unet, shapes, tmp_path):
     # What the scan says; the launch above shows that what rank 1 finds reaches the user once.
-    from common.runtime import build_accelerator
+    from common.accelerator import build_accelerator
 
     shutil.copytree(shapes, tmp_path / "data")
     bad = pair(unet, tmp_path / "data", 1, 1)
@@ -445,7 +445,7 @@ def test_padding_changes_neither_the_loss_nor_the_dice_counts(unet, num_classes)
 def epoch_batches(unet, cfg, epoch):
     """The training batches of an epoch, from the recipe's loader as its main() builds it, and
     augmented as its train_one_epoch() augments them."""
-    from common.runtime import build_accelerator
+    from common.accelerator import build_accelerator
 
     data = unet.load_data(cfg, build_accelerator())
     # The order: the loader's first, from its own seeded generator.

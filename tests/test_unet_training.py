@@ -506,7 +506,7 @@ def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(
     assert "; L images; " in res.output, res
     assert read_metrics(tmp_path / "eval")[0]["eval_samples"] == N_VAL
     # RGBA images: 4 channels, read as such by the loaders.
-    from common.runtime import build_accelerator
+    from common.accelerator import build_accelerator
 
     cfg = unet.Config(
         dataset=str(recoloured(shapes, tmp_path / "rgba", "RGBA", 20)),
@@ -520,7 +520,7 @@ def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(
 
 
 def test_images_of_different_channels_say_which_and_what_to_set(unet, shapes, tmp_path):
-    from common.runtime import build_accelerator
+    from common.accelerator import build_accelerator
 
     root = recoloured(shapes, tmp_path / "data", "RGB", 20)
     grey = root / "imgs" / "shape_0007.png"

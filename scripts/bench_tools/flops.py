@@ -23,7 +23,7 @@ def flops_per_sample(build_model, x, y, loss_fn):
 
 def peak_dtype(accelerator):
     """The precision of the run's matrix products: fp32, or what mixed_precision asks for
-    (the CPU runs fp16 configs in fp32, see common.runtime.describe)."""
+    (the CPU runs fp16 configs in fp32, see common.accelerator.describe)."""
     precision, device = accelerator.mixed_precision, accelerator.device
     if precision == "bf16" or (precision == "fp16" and device.type == "cuda"):
         return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]

@@ -58,7 +58,7 @@ def make_scheduler(optimizer, cfg, progress, steps_per_epoch):
     if cfg.scheduler == "plateau":
         return ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5)
     scheduler = CosineAnnealingLR(optimizer, T_max=1)
-    fit_cosine(scheduler, cfg, progress, steps_per_epoch)
+    fit_cosine(scheduler, cfg, progress, steps_per_epoch=steps_per_epoch)
     return scheduler
 
 

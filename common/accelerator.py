@@ -1,0 +1,181 @@
+"""The Accelerator of a run: built for the launch and the accelerate config, described in one
+line, and closed cleanly.
+
+    accelerator = accelerator_for(cfg)            # build_accelerator() with a run's settings
+    model, norm = sync_batchnorm(model, accelerator, cfg.sync_bn)  # before prepare()
+    accelerator.print(describe(accelerator, cfg.batch_size))
+    ...
+    del model, optimizer, train_loader, test_loader   # what holds the process group
+    close(accelerator)
+"""
+
+import datetime
+import functools
+import gc
+import os
+
+import accelerate.optimizer
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+
+from common.config import UserError
+from common.tracking import tracker
+
+
+def build_accelerator(
+    *, gradient_accumulation_steps=1, seed=0, timeout_s=600, log_with="none", **kwargs
+):
+    """An Accelerator whose process count is what the launcher asked for, logging to the tracker
+    that the log_with setting names (checked first: see tracker()).
+
+    Machine settings (processes, precision, machines) come from the accelerate config,
+    never from here. Three things are decided here:
+    - on a machine with no GPU, a multi-process launch runs real DDP over gloo on the CPU.
+      Without this, Accelerate quietly starts N independent single-process trainings. An FSDP
+      config there stops with an error instead, and so does, on GPUs, a launch whose process
+      count Accelerate does not see.
+    - the data order is a function of (seed, epoch) only (`use_seedable_sampler`), so it is
+      the same on every rank, changes every epoch, and can be replayed on resume.
+    - prepared loaders copy batches to the GPU with non_blocking=True. A blocking copy from
+      the CPU makes PyTorch wait until the GPU has finished all the work queued so far, once
+      per batch, so the GPU idles while Python fetches the next batch. Give such loaders
+      pin_memory=True: only a copy from pinned memory is truly asynchronous.
+    """
+    _ask_for_lomo_once()
+    log_with = tracker(log_with)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cpu_ddp = world_size > 1 and not torch.cuda.is_available()
+    if cpu_ddp and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        raise UserError(
+            "distributed_type FSDP needs GPUs, and this machine has none: for several CPU "
+            "processes use accelerate_configs/2gpu.yaml (DDP over gloo)"
+        )
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available() and local_processes > torch.cuda.device_count():
+        raise UserError(
+            f"the launcher starts {local_processes} processes on this machine but only "
+            f"{torch.cuda.device_count()} GPU(s) are visible: set num_processes to the GPU count"
+        )
+    if elastic_restart():
+        _init_process_group_after_restart(cpu_ddp, timeout_s)
+    accelerator = Accelerator(
+        cpu=cpu_ddp,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        dataloader_config=DataLoaderConfiguration(
+            use_seedable_sampler=True, data_seed=seed, non_blocking=True
+        ),
+        # A rank that dies mid-collective brings the others down after this long, not never.
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=timeout_s))],
+        log_with=log_with,
+        **kwargs,
+    )
+    if accelerator.num_processes != world_size:
+        raise UserError(
+            f"the launcher started {world_size} processes but Accelerate sees "
+            f"{accelerator.num_processes}: each would train alone. Check the accelerate config "
+            f"(distributed_type, num_processes)"
+        )
+    return accelerator
+
+
+PATCHED_ON = "1.15."  # the Accelerate release whose optimizer.step() _ask_for_lomo_once knows
+
+
+def accelerator_for(cfg):
+    """build_accelerator() with a run's settings (a RunConfig): gradient_accumulation_steps, seed
+    (the data order), dist_timeout_s, log_with, and output_dir for the trackers' files."""
+    return build_accelerator(
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        seed=cfg.seed,
+        timeout_s=cfg.dist_timeout_s,
+        log_with=cfg.log_with,
+        project_dir=cfg.output_dir,
+    )
+
+
+def _ask_for_lomo_once():
+    """Accelerate 1.15's optimizer.step() asks importlib twice per step whether the lomo_optim
+    package is installed, a cost that shows on small models (docs/performance.md). The answer
+    cannot change while the job runs, so remember it. Only on 1.15: another release may not ask,
+    or may ask something else under that name, so it runs as it is."""
+    if not accelerate.__version__.startswith(PATCHED_ON):
+        return
+    check = getattr(accelerate.optimizer, "is_lomo_available", None)
+    if check is not None and not hasattr(check, "cache_info"):
+        accelerate.optimizer.is_lomo_available = functools.cache(check)
+
+
+def _init_process_group_after_restart(cpu, timeout_s):
+    """After torchrun restarts its workers (--max-restarts), `init_process_group()` reads the
+    previous attempt's addresses from the agent's store and fails to connect. Give every
+    attempt its own key prefix; Accelerate then uses this process group as it is."""
+    import torch.distributed as dist
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+    )
+    dist.init_process_group(
+        "gloo" if cpu else "nccl",
+        store=dist.PrefixStore(f"attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timeout,
+    )
+
+
+def elastic_restart():
+    """True when torchrun restarted the workers after a failure (--max-restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def describe(accelerator, batch):
+    """One line: where and how this run trains. batch: the batch size per process, or a text
+    that says what a batch is (bucketed batches)."""
+    precision = accelerator.mixed_precision
+    if precision == "fp16" and accelerator.device.type == "cpu":
+        precision = "fp16 requested, but the CPU runs fp16 configs in fp32 (use bf16 on CPU)"
+    backend = f", {accelerator.state.backend}" if accelerator.num_processes > 1 else ""
+    dynamo = accelerator.state.dynamo_plugin  # the accelerate config's dynamo_config
+    compiled = ""
+    if dynamo.backend.value != "NO":
+        mode = f" mode {dynamo.mode}" if dynamo.mode not in (None, "default") else ""
+        compiled = f", torch.compile backend {dynamo.backend.value.lower()}{mode}"
+    if isinstance(batch, int):
+        per_step = batch * accelerator.num_processes * accelerator.gradient_accumulation_steps
+        batch = f"batch {batch} per process = {per_step} per optimizer step"
+    return (
+        f"{accelerator.num_processes} process(es) on {accelerator.device.type}{backend}, "
+        f"precision {precision}{compiled}, {batch}"
+    )
+
+
+def sync_batchnorm(model, accelerator, enabled):
+    """The model with SyncBatchNorm where it works (several processes on GPUs; Accelerate leaves
+    BatchNorm per process), and a few words saying which BatchNorm the run uses."""
+    if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return model, "no BatchNorm"
+    if accelerator.num_processes == 1:
+        return model, "BatchNorm"
+    if enabled and accelerator.device.type != "cpu":
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model), "SyncBatchNorm"
+    return (
+        model,
+        f"BatchNorm per process ({'SyncBatchNorm needs GPUs' if enabled else 'sync_bn is off'})",
+    )
+
+
+def close(accelerator):
+    """End trackers and the process group, after everything that uses it is gone.
+
+    The DDP-wrapped model and the prepared loaders hold the process group. If they are still
+    alive when it is destroyed, gloo's threads can die during interpreter shutdown and the
+    process aborts ("terminate called without an active exception"). So the caller deletes
+    its own references first; here Accelerate's references go and the garbage is collected.
+    """
+    accelerator.wait_for_everyone()
+    accelerator.free_memory()
+    gc.collect()
+    accelerator.end_training()
