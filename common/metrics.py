@@ -18,7 +18,7 @@ class TrainLoss:
 
         losses = TrainLoss(accelerator.device, step)           # step: optimizer steps done so far
         losses.update(loss, len(x))                            # every batch
-        losses.check(accelerator, step, checkpoints_dir)       # every few steps and before a checkpoint
+        losses.check(accelerator, step, checkpoints_dir)       # every few steps and before saving
         losses.window(accelerator)                             # mean since the last window()
         losses.mean(accelerator)                               # mean since the start
 

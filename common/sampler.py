@@ -4,8 +4,9 @@
     train_loader = bucket_loader(train_set, sizes, cfg.max_batch_pixels, accelerator, train=True,
                                  seed=cfg.seed, collate_fn=pad_collate)
     for epoch in ...:
-        train_loader.set_epoch(epoch)       # as for a prepared loader; resume with
-        ...                                 # accelerator.skip_first_batches(train_loader, batches_done)
+        train_loader.set_epoch(epoch)       # as for a prepared loader
+        # resume with accelerator.skip_first_batches(train_loader, batches_done)
+        ...
 
 Do not pass these loaders to accelerator.prepare(): it wraps any batch sampler in
 BatchSamplerShard, which deals the batches out to the ranks again (a sharded sampler loses half
@@ -22,7 +23,8 @@ one and DDP drops out of training), add up sums and counts locally, and reduce t
 the loop:
 
     net = accelerator.unwrap_model(model, keep_torch_compile=False).eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss, correct, samples
+    # loss sum, correct predictions, samples
+    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
     for x, y in test_loader:
         logits = net(x)
         totals[0] += F.cross_entropy(logits, y, reduction="sum")
@@ -210,7 +212,8 @@ def bucket_loader(
         worker_init_fn=ignore_stop_signals,  # Ctrl-C is the training process's to handle
         pin_memory=pin_memory,
     )  # with non_blocking: the copy to the GPU does not wait for it
-    # num_processes=1: the sampler is already this rank's shard; Accelerate must not deal it out again.
+    # num_processes=1: the sampler is already this rank's shard; Accelerate must not deal it out
+    # again.
     return prepare_data_loader(
         loader,
         accelerator.device,

@@ -75,16 +75,17 @@ def main():
             r = results[-1]
             print(
                 f"{r['recipe']:6} {r['precision']:5} {r['samples_per_s']:10.0f} samples/s "
-                f"{r['peak_memory_mb']:8.0f} MB  loss {r['train_loss']:.4f}  {r['metric']} {r['value']:.4f}  "
-                f"skipped {r['skipped_steps']}",
+                f"{r['peak_memory_mb']:8.0f} MB  loss {r['train_loss']:.4f}  "
+                f"{r['metric']} {r['value']:.4f}  skipped {r['skipped_steps']}",
                 flush=True,
             )
     header = "| recipe | precision | samples/s | peak MB | train loss | metric | skipped steps |"
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}\n{header}\n|{'---|' * 7}")
     for r in results:
         print(
-            f"| {r['recipe']} | {r['precision']} | {r['samples_per_s']:.0f} | {r['peak_memory_mb']:.0f} | "
-            f"{r['train_loss']:.4f} | {r['metric']} {r['value']:.4f} | {r['skipped_steps']} |"
+            f"| {r['recipe']} | {r['precision']} | {r['samples_per_s']:.0f} | "
+            f"{r['peak_memory_mb']:.0f} | {r['train_loss']:.4f} | "
+            f"{r['metric']} {r['value']:.4f} | {r['skipped_steps']} |"
         )
     (REPO / args.out / "gpu_check.json").write_text(
         json.dumps(

@@ -1,8 +1,9 @@
 """Write the shapes dataset for recipes/unet.py: circles, rectangles and triangles with exact masks.
 
-    python scripts/make_shapes.py                                   # 200 images of 64x64 in data/shapes
+    python scripts/make_shapes.py                 # 200 images of 64x64 in data/shapes
     python scripts/make_shapes.py --out /tmp/shapes --count 40 --size 48
-    python scripts/make_shapes.py --out data/shapes_mixed --sizes 48,64,96   # mixed sizes, for bucket_by_size
+    python scripts/make_shapes.py --out data/shapes_mixed \
+        --sizes 48,64,96                          # mixed sizes, for bucket_by_size
 
 The layout is the Carvana one that the recipe reads, so the demo and the tests use the real
 loading path: imgs/shape_0000.png (RGB) and masks/shape_0000_mask.png (8-bit greyscale).

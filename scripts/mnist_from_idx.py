@@ -28,7 +28,8 @@ COUNTS = {
 
 
 def read_idx(path):
-    """An IDX file (optionally gzipped) as a uint8 array: magic 0x0000 08 NDIM, then big-endian sizes."""
+    """An IDX file (optionally gzipped) as a uint8 array: magic 0x0000 08 NDIM, then big-endian
+    sizes."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rb") as f:
         data = f.read()

@@ -3,8 +3,9 @@
     python scripts/stress_exit.py --runs 20                       # accelerate launch
     python scripts/stress_exit.py --runs 20 --launcher torchrun
     python scripts/stress_exit.py --runs 20 --recipe recipes/unet.py --dataset data/shapes
-    python scripts/stress_exit.py --runs 5 --recipe recipes/unet.py --dataset data/shapes -- --base_channels 8
-    python scripts/stress_exit.py --runs 20 --config_file my_compile.yaml   # your own 2-process config
+    python scripts/stress_exit.py --runs 5 --recipe recipes/unet.py --dataset data/shapes \
+        -- --base_channels 8
+    python scripts/stress_exit.py --runs 20 --config_file my_compile.yaml   # your 2-process config
 
 A clean exit is status 0 with no "terminate called" abort at interpreter shutdown: gloo's
 threads dying because the DDP model or a prepared loader outlived the process group.
@@ -81,7 +82,8 @@ def main():
         ok = proc.returncode == 0 and "terminate called" not in out
         clean += ok
         print(
-            f"run {i}: exit {proc.returncode}, {'clean' if ok else 'NOT CLEAN'}, {time.perf_counter() - start:.1f}s",
+            f"run {i}: exit {proc.returncode}, {'clean' if ok else 'NOT CLEAN'}, "
+            f"{time.perf_counter() - start:.1f}s",
             flush=True,
         )
         if not ok:
@@ -92,7 +94,8 @@ def main():
         else "torchrun"
     )
     print(
-        f"{clean}/{args.runs} clean exits ({launcher}, {args.recipe}, num_workers {args.num_workers})"
+        f"{clean}/{args.runs} clean exits ({launcher}, {args.recipe}, "
+        f"num_workers {args.num_workers})"
     )
     sys.exit(0 if clean == args.runs else 1)
 

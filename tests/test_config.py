@@ -5,7 +5,6 @@ import re
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Optional
 
 import pytest
 from conftest import launch
@@ -44,7 +43,8 @@ class Child(Base):
 
 @pytest.fixture(scope="module")
 def mnist():
-    """recipes/mnist.py as a module, registered (load_recipe does not) so that inspect finds its source."""
+    """recipes/mnist.py as a module, registered (load_recipe does not) so that inspect finds its
+    source."""
     module = load_recipe("mnist")
     sys.modules[module.__name__] = module
     yield module
@@ -154,7 +154,7 @@ def test_an_optional_bool_takes_auto_and_says_so_in_the_help(tmp_path):
 
 
 def test_help_without_the_source_still_lists_the_fields():
-    made = dataclasses.make_dataclass("Made", [("n", int, 2), ("tag", Optional[str], None)])
+    made = dataclasses.make_dataclass("Made", [("n", int, 2), ("tag", str | None, None)])
     with pytest.raises(ShowHelp) as e:
         parse_config(made, ["--help"])
     lines = str(e.value).splitlines()
@@ -176,7 +176,10 @@ def test_help_of_the_mnist_recipe(mnist):
     )
     assert "  --epochs INT (default: 14)" in lines
     assert "  --lr FLOAT (default: 1.0)  learning rate; onecycle: its peak" in lines
-    smoke = "  --smoke BOOL (default: false)  train smoke_steps steps of one epoch, then evaluate: for tests and CI"
+    smoke = (
+        "  --smoke BOOL (default: false)  train smoke_steps steps of one epoch, then evaluate: "
+        "for tests and CI"
+    )
     assert smoke in lines
     assert (
         "Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume." in lines
@@ -335,7 +338,7 @@ def test_help_lists_every_setting_and_exits_0_without_importing_torchvision():
     assert text.startswith("usage: python recipes/unet.py"), res
     for line in (
         "--max_steps INT (default: 0)  stop after this many optimizer steps",  # RunConfig
-        "--num_classes INT (default: 0)  with background; 0: one per mask value",  # SegmentationConfig
+        "--num_classes INT (default: 0)  with background; 0: one per mask value",
         "--base_channels INT (default: 64)  width of the first level",  # the recipe's own
         "--log_every INT (default: 20)",
     ):  # redeclared in the recipe

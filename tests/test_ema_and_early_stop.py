@@ -108,7 +108,8 @@ def test_early_stopping_stops_every_rank_its_patience_survives_a_resume_and_tens
         2,
         nproc=2,
     )
-    # TensorBoard: one writer (the main process), training scalars every 2 steps, and the evaluations.
+    # TensorBoard: one writer (the main process), training scalars every 2 steps, and the
+    # evaluations.
     (events,) = (tmp_path / "mnist").glob("events.out.tfevents.*")
     acc = EventAccumulator(str(events))
     acc.Reload()

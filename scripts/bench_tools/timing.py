@@ -83,6 +83,11 @@ def paired(results, a, b):
     return round(statistics.median(x / y for x, y in pairs), 3)
 
 
+def read_into(stream, chunks):
+    """Append everything `stream` gives until it closes to the list `chunks`."""
+    chunks.append(stream.read())
+
+
 def time_startup(cmd, marker, runs, workdir):
     """Launch the recipe `runs` times; return the seconds from launch to the first stdout line that
     starts with `marker`, and to the process's exit."""
@@ -95,7 +100,7 @@ def time_startup(cmd, marker, runs, workdir):
             full, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         stderr = []
-        drain = threading.Thread(target=lambda: stderr.append(proc.stderr.read()))  # no deadlock
+        drain = threading.Thread(target=read_into, args=(proc.stderr, stderr))  # no deadlock
         drain.start()
         ready, lines, last = None, [], 0.0
         for line in proc.stdout:
