@@ -12,6 +12,11 @@ that defines it, where its closure's values come from. Edit the decoding, or a h
 the recipe or in common/, and the next run decodes again; edit anything else and it reads the
 file. A datasets split's `_fingerprint` names its data files (their paths and modification
 times, or the hub revision).
+
+A JSON value is kept the same way, for what is not tensors (the U-Net's mask scan):
+
+    found = read_json(key, code=[scan])   # None the first time, or after an edit of scan
+    write_json(key, found, code=[scan])
 """
 
 import functools
@@ -43,16 +48,10 @@ def cached_tensors(key, make, *, code=(), enabled=True):
     is made again and replaced, with a warning. enabled=False: make() every time, no file."""
     if not enabled:
         return make()
-    import datasets
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
 
-    name = json.dumps([CACHE_FORMAT, key, code_fingerprint([make, *code])], sort_keys=True)
-    path = Path(
-        datasets.config.HF_DATASETS_CACHE,
-        "decoded",
-        hashlib.sha256(name.encode()).hexdigest()[:32] + ".safetensors",
-    )
+    path, name = _cache_file(key, [make, *code], ".safetensors")
     if path.exists():
         try:
             with safe_open(path, "pt") as file:
@@ -65,19 +64,68 @@ def cached_tensors(key, make, *, code=(), enabled=True):
             f"warning: cannot read cache file {path} ({problem}): writing it again", file=sys.stderr
         )
     tensors = make()
+    _write_atomically(
+        path,
+        lambda tmp: save_file(
+            {str(i): t.contiguous() for i, t in enumerate(tensors)}, tmp, {"key": name}
+        ),
+        errors=(OSError, SafetensorError),
+        again="decoding again next run",
+    )
+    return tensors
+
+
+def read_json(key, *, code):
+    """The value that write_json() stored under `key` and `code` (as cached_tensors keys its
+    files), or None if there is none; a file that does not read warns and counts as none."""
+    path, name = _cache_file(key, code, ".json")
+    if not path.exists():
+        return None
+    try:
+        stored = json.loads(path.read_text())
+        if stored.get("key") == name:
+            return stored["value"]
+        problem = "made for other data"
+    except (OSError, ValueError, AttributeError, KeyError) as e:  # truncated or damaged
+        problem = _first_line(e) if str(e) else type(e).__name__
+    print(f"warning: cannot read cache file {path} ({problem}): writing it again", file=sys.stderr)
+    return None
+
+
+def write_json(key, value, *, code):
+    """Keep a JSON-able `value` for read_json(), written atomically; a failure warns."""
+    path, name = _cache_file(key, code, ".json")
+    text = json.dumps({"key": name, "value": value})
+    _write_atomically(
+        path, lambda tmp: Path(tmp).write_text(text), errors=(OSError,), again="making it again"
+    )
+
+
+def _cache_file(key, code, suffix):
+    """(path, name): the file under HF_DATASETS_CACHE/decoded/ for `key` and `code`, and the full
+    name it stores inside, which tells two keys whose hashes meet apart."""
+    import datasets
+
+    name = json.dumps([CACHE_FORMAT, key, code_fingerprint(code)], sort_keys=True)
+    digest = hashlib.sha256(name.encode()).hexdigest()[:32]
+    return Path(datasets.config.HF_DATASETS_CACHE, "decoded", digest + suffix), name
+
+
+def _write_atomically(path, write, *, errors, again):
+    """write(tmp) to a temporary file, then os.replace it onto `path`, so no process ever reads
+    half a file. A full disk or a read-only cache warns and the run goes on without the file."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")  # unique: ranks write at once
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({str(i): t.contiguous() for i, t in enumerate(tensors)}, tmp, {"key": name})
+        write(tmp)
         os.replace(tmp, path)
-    except (OSError, SafetensorError) as e:  # a full disk or a read-only cache: run on without
+    except errors as e:
         if tmp.exists():  # written in part (exists() is False where `decoded` is no folder)
             tmp.unlink()
         print(
-            f"warning: cannot write cache file {path} ({_first_line(e)}): decoding again next run",
+            f"warning: cannot write cache file {path} ({_first_line(e)}): {again}",
             file=sys.stderr,
         )
-    return tensors
 
 
 def code_fingerprint(functions):
