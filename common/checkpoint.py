@@ -286,7 +286,8 @@ def load_checkpoint(accelerator, path, *, recipe, data_order=None, same=None):
     written mid-epoch resumes only with the same values and process count: with others, the
     batches skipped at resume would not be the ones already trained on.
     same: {setting: value} that any checkpoint resumes only with, such as ema_decay (which
-    decides what the checkpoint holds); a setting missing from trainer_state counts as 0.
+    decides what the checkpoint holds); a setting missing from trainer_state counts as off: 0,
+    "", [] or False, as the type of `value` has it.
     """
     path = Path(path)
     state_file = path / "trainer_state.json"
@@ -317,8 +318,8 @@ def load_checkpoint(accelerator, path, *, recipe, data_order=None, same=None):
                     f"at the end of an epoch"
                 )
     for name, value in (same or {}).items():
-        if state.get(name, 0) != value:
-            had, value = _as_setting(state.get(name, 0)), _as_setting(value)
+        if state.get(name, type(value)()) != value:
+            had, value = _as_setting(state.get(name, type(value)())), _as_setting(value)
             raise UserError(
                 f"checkpoint {path} was written with {name} {had}, not {value}: "
                 f"resume it with --{name} {had}, or start a new run"

@@ -1,20 +1,23 @@
 """Image and mask pairs for semantic segmentation, from the recipe's pairs to loaders, in one call:
 
-    data = load_segmentation(train_pairs, val_pairs, accelerator=accelerator, values=None,
-                             batch_size=8, eval_batch_size=16, seed=0, ...)
+    data = load_segmentation(train_pairs, val_pairs, accelerator=accelerator,
+                             classes=MaskClasses(None, ignored=(255,)), batch_size=8, ...)
     data.train_loader    # batches (images, masks, rand): augment them per sample with rand
     data.val_loader      # batches (images, masks)
-    data.values, data.num_classes, data.in_channels, data.input_size
+    data.classes, data.num_classes, data.in_channels, data.input_size, data.class_pixels
 
-A split of pairs is a sequence whose item i is (PIL image, integer array [H, W] of mask values,
-name), read when indexed (the recipe's Pairs). Class i is mask value values[i]. Images are
-decoded in the PIL mode of the model's input channels (MODES), and masks become class indices:
-uint8 up to 256 classes, int64 beyond. Behind load_segmentation():
+A split of pairs is a sequence whose item i is (PIL image, mask, name), read when indexed (the
+recipe's Pairs). A mask is an integer array [H, W] of values (grey levels, palette indices, label
+ids), or [H, W, 3] of RGB colours, one per class. MaskClasses says which value is which class and
+which values count for nothing (IGNORE, as padding does). Images are decoded in the PIL mode of
+the model's input channels (MODES), and masks become class indices: uint8 up to 255 classes (255
+then stands for IGNORE), int32 beyond. Behind load_segmentation():
 - every mask is scanned once, each process a share, and a bad one stops every rank with the same
-  one-line error (scan_pairs);
-- the classes and the input size are checked against the settings (classes_and_size);
+  one-line error (scan_pairs); the scan is remembered between runs on the same files;
+- the classes and each image's size are decided from the scan and the settings (choose_classes,
+  target_sizes): image_size, scale (the aspect ratio kept), or each image's own size;
 - decoding happens once into memory (and, between runs, through common.cache), or at every read
-  in DataLoader workers;
+  in DataLoader workers; a JPEG that is to be made smaller decodes at reduced size (PIL's draft);
 - each training sample gets its own uniform random numbers, seeded with (seed, epoch, sample):
   the same augmentation for any number of workers or processes, cached or not, and after a resume;
 - images of different sizes are padded per batch (pad_collate, IGNORE in the masks), in batches of
@@ -22,7 +25,7 @@ uint8 up to 256 classes, int64 beyond. Behind load_segmentation():
 """
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -30,7 +33,7 @@ from accelerate.utils import gather_object
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from common.cache import cached_tensors
+from common.cache import cached_tensors, read_json, write_json
 from common.data import (
     IMAGE_ERRORS,
     DataError,
@@ -44,12 +47,19 @@ from common.data import (
 )
 from common.sampler import bucket_loader
 
-IGNORE = -1  # the class of padded pixels: no loss, no metric
+IGNORE = (
+    -1
+)  # the class of pixels that count for nothing (padding, ignored values): no loss, no metric
+STORED_IGNORE = 255  # IGNORE in a uint8 class mask, which therefore holds up to 255 classes
 RANDOMS = 8  # uniform random numbers per training sample that an augmentation gets (rand[n])
 MODES = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}  # input channels -> the PIL mode images are read in
 GREY_MODES = ("1", "L", "I", "I;16", "F")
 ALPHA_MODES = ("RGBA", "LA", "PA")
 CACHE_BUDGET_GB = 4  # cache_images auto: decode once if images and masks fit this, per process
+# Inferred classes: a value with fewer interior pixels than this share of its pixels lies along
+# the edges between other values, as interpolation and JPEG leave values, not as a class does.
+EDGE_ONLY = 0.02
+VOID = 255  # the void label of Pascal VOC and of Cityscapes' train ids
 
 
 def value_count(num_classes):
@@ -62,35 +72,170 @@ def input_channels(mode):
     return 1 if mode in GREY_MODES else 4 if mode in ALPHA_MODES else 3
 
 
-def scan_pairs(accelerator, splits):
-    """{mask value: [number of masks holding it, one of them]}, per split the (height, width)
-    of each image, in order, and {image mode: an image of that mode}. Each process reads its
-    share of the pairs and the results are gathered, so a bad file stops every rank with the
-    same one-line error (never one rank raising while the others wait)."""
-    found, sizes, modes, problems = {}, {}, {}, []
+def mask_codes(mask):
+    """A mask as an integer array [H, W]: its values, or for colours [H, W, 3(+)], 0xRRGGBB."""
+    mask = np.asarray(mask)
+    if mask.ndim == 3:
+        rgb = mask[..., :3].astype(np.int32)
+        return (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]
+    return mask
+
+
+def show_value(value, colour):
+    """A mask value as the settings take it: 255, or a colour as #rrggbb."""
+    return f"#{value:06x}" if colour else str(value)
+
+
+def show_values(values, colour, most=8):
+    shown = ",".join(show_value(v, colour) for v in list(values)[:most])
+    return shown + (f",... ({len(values)} in all)" if len(values) > most else "")
+
+
+@dataclass(frozen=True)
+class MaskClasses:
+    """Which mask value is which class: class i is values[i] (None: the values the masks hold, to
+    be decided by choose_classes). The pixels of `ignored` values count for nothing (IGNORE), and
+    with unlisted_ignored so do those of every value not in `values`. colour: the values are
+    colours, as mask_codes() packs them."""
+
+    values: tuple | None
+    ignored: tuple = ()
+    unlisted_ignored: bool = False
+    colour: bool = False
+
+    @property
+    def dtype(self):
+        """The torch dtype of stored class masks (uint8: STORED_IGNORE is IGNORE)."""
+        return torch.uint8 if len(self.values) < STORED_IGNORE else torch.int32
+
+    def classes_of(self, mask):
+        """A mask (values or colours) as class indices [H, W], numpy, in the stored dtype."""
+        codes = mask_codes(mask)
+        stored = np.uint8 if self.dtype == torch.uint8 else np.int32
+        ignore = STORED_IGNORE if stored == np.uint8 else IGNORE
+        keys = np.array([*self.values, *self.ignored], np.int64)
+        classes = np.array([*range(len(self.values)), *[ignore] * len(self.ignored)], stored)
+        low, high = int(codes.min()), int(codes.max())
+        if low >= 0 and max(high, int(keys.max())) < 2**16:  # a table of every value: fast
+            table = np.full(max(high, int(keys.max())) + 1, ignore, stored)
+            table[keys] = classes
+            return table[codes]
+        # Colours and large values: by binary search among the known values; any other value is
+        # unlisted (the scan has made sure that it occurs only with unlisted_ignored).
+        order = np.argsort(keys)
+        keys, classes = keys[order], classes[order]
+        at = np.searchsorted(keys, codes).clip(max=len(keys) - 1)
+        return np.where(keys[at] == codes, classes[at], np.array(ignore, stored)).astype(stored)
+
+
+def as_classes(stored):
+    """Stored class masks (MaskClasses.dtype) as int64 class indices, IGNORE where ignored."""
+    classes = stored.long()
+    if stored.dtype == torch.uint8:
+        classes.masked_fill_(stored == STORED_IGNORE, IGNORE)
+    return classes
+
+
+def mask_stats(codes):
+    """{value: (pixels, interior pixels)} of a mask's codes [H, W]. A pixel is interior when its
+    4 neighbours hold its value: the values of a class fill regions, those that interpolation or
+    JPEG leave lie along edges."""
+    inner = codes[1:-1, 1:-1]
+    same = inner == codes[:-2, 1:-1]
+    for neighbour in (codes[2:, 1:-1], codes[1:-1, :-2], codes[1:-1, 2:]):
+        same &= inner == neighbour
+    if codes.dtype.kind in "ub" and codes.dtype.itemsize <= 2:  # grey levels, palette indices
+        pixels = np.bincount(codes.ravel())
+        interior = np.bincount(inner[same], minlength=len(pixels))
+        return {int(v): (int(pixels[v]), int(interior[v])) for v in np.flatnonzero(pixels)}
+    values, pixels = np.unique(codes, return_counts=True)
+    interior = dict(zip(*(x.tolist() for x in np.unique(inner[same], return_counts=True))))
+    return {int(v): (int(n), interior.get(int(v), 0)) for v, n in zip(values, pixels)}
+
+
+# The fields of Scan.values[v]: masks holding v, one of them, v's pixels, its interior pixels, and
+# its pixels in the first (training) split.
+MASKS, NAME, PIXELS, INTERIOR, TRAIN_PIXELS = range(5)
+
+
+@dataclass
+class Scan:
+    """What the scan of every pair found: values {mask value: [MASKS, NAME, PIXELS, INTERIOR,
+    TRAIN_PIXELS]}, sizes: per split, (height, width) of each image in order, modes: {image
+    mode: an image of that mode}, colour: the masks hold colours."""
+
+    values: dict
+    sizes: list
+    modes: dict
+    colour: bool
+
+    def to_json(self):
+        return {**asdict(self), "values": [[v, *stats] for v, stats in self.values.items()]}
+
+    @classmethod
+    def from_json(cls, stored):
+        values = {entry[0]: entry[1:] for entry in stored["values"]}
+        sizes = [[tuple(size) for size in split] for split in stored["sizes"]]
+        return cls(values, sizes, stored["modes"], stored["colour"])
+
+
+def scan_share(accelerator, splits):
+    """This process's share of the scan: (values, sizes, modes, mask kinds, problems)."""
+    found, sizes, modes, kinds, problems = {}, {}, {}, {}, []
     items = [(s, i) for s, split in enumerate(splits) for i in range(len(split))]
     for s, i in items[accelerator.process_index :: accelerator.num_processes]:
         try:
-            image, values, name = splits[s][i]
+            image, mask, name = splits[s][i]
+            codes = mask_codes(mask)
         except (DataError, OSError, Image.DecompressionBombError) as e:  # OSError: PIL's
             problems.append(str(e))
             continue
-        sizes[s, i] = values.shape
+        sizes[s, i] = codes.shape
         modes.setdefault(image.mode, getattr(image, "filename", "") or name)
-        for v in np.unique(values).tolist():
-            found.setdefault(v, [0, name])[0] += 1
-    merged, all_sizes, all_modes = {}, {}, {}
-    for found_at, sizes_at, modes_at, problems_at in gather_object(
-        [(found, sizes, modes, problems)]
+        kinds.setdefault("colour" if np.ndim(mask) == 3 else "grey", name)
+        for v, (pixels, interior) in mask_stats(codes).items():
+            stats = found.setdefault(v, [0, name, 0, 0, 0])
+            stats[MASKS] += 1
+            stats[PIXELS] += pixels
+            stats[INTERIOR] += interior
+            stats[TRAIN_PIXELS] += pixels if s == 0 else 0
+    return found, sizes, modes, kinds, problems
+
+
+def scan_pairs(accelerator, splits, *, remember=False):
+    """The Scan of every pair of `splits`. Each process reads its share of the pairs and the
+    results are gathered, so a bad file stops every rank with the same one-line error (never one
+    rank raising while the others wait). remember: keep the result under the datasets cache,
+    keyed by the splits' identity() (each file's path, size and time of change) and by the code
+    that reads the pairs, so that a later run on the same files reads it instead."""
+    key = ["mask scan", [split.identity() for split in splits]] if remember else None
+    code = [type(splits[0]).__getitem__, scan_share, mask_stats, Scan]
+    stored = read_json(key, code=code) if remember else None
+    if all(gather_object([stored is not None])):  # every rank has it, or all scan
+        return Scan.from_json(stored)
+    values, all_sizes, modes, kinds = {}, {}, {}, {}
+    for found_at, sizes_at, modes_at, kinds_at, problems_at in gather_object(
+        [scan_share(accelerator, splits)]
     ):
         if problems_at:
             raise DataError(problems_at[0])
         all_sizes.update(sizes_at)
-        all_modes = {**modes_at, **all_modes}
-        for v, (count, name) in found_at.items():
-            merged.setdefault(v, [0, name])[0] += count
+        modes = {**modes_at, **modes}
+        kinds = {**kinds_at, **kinds}
+        for v, stats in found_at.items():
+            merged = values.setdefault(v, [0, stats[NAME], 0, 0, 0])
+            for field in (MASKS, PIXELS, INTERIOR, TRAIN_PIXELS):
+                merged[field] += stats[field]
+    if len(kinds) > 1:
+        raise DataError(
+            f"mask {kinds['colour']} is in colour, mask {kinds['grey']} holds grey levels or "
+            f"palette indices: save all masks alike"
+        )
     sizes = [[all_sizes[s, i] for i in range(len(split))] for s, split in enumerate(splits)]
-    return merged, sizes, all_modes
+    scan = Scan(dict(sorted(values.items())), sizes, modes, "colour" in kinds)
+    if remember and accelerator.is_main_process:
+        write_json(key, scan.to_json(), code=code)
+    return scan
 
 
 def channels_of_data(in_channels, modes):
@@ -111,26 +256,39 @@ def channels_of_data(in_channels, modes):
     return next(iter(seen))
 
 
-def classes_and_size(
-    found, sizes, *, values, num_classes, fixed, image_size, bucket_by_size, min_size
-):
-    """(mask values in class order, num_classes, input size (h, w) or None for each its own).
-    values: the classes' mask values as given (fixed: by a setting or a weights file), or None
-    for the sorted values found; num_classes: the setting, 0 for the number of values.
-    image_size: (h, w) to resize to, or None. min_size: the smallest side the model takes."""
-    given = values is not None
-    values = values if given else sorted(found)
-    shown = ",".join(map(str, values[:8]))
-    unknown = sorted(set(found) - set(values))
-    if unknown:
+def choose_classes(scan, asked, *, num_classes, fixed):
+    """(MaskClasses, num_classes, notes): the classes that `asked` lists (fixed: where they come
+    from, for messages: --mask_values or a weights file), or those the masks hold, checked
+    against the masks and num_classes (0: the number of values). notes: lines for the start-up,
+    such as a value that looks like a void label."""
+    found, colour = scan.values, scan.colour
+    ignored = set(asked.ignored)
+    given = asked.values is not None
+    both = sorted(ignored & set(asked.values or ()))
+    if both:
         raise DataError(
-            f"mask {found[unknown[0]][1]} has value {unknown[0]}, which is not one of "
-            f"mask_values {','.join(map(str, values))}: fix the mask, or list the value in "
-            f"--mask_values"
+            f"mask value {show_value(both[0], colour)} is both a class (mask_values) and ignored "
+            f"(ignore_index): keep it in one of them"
+        )
+    if asked.unlisted_ignored and not given:
+        raise DataError(
+            "ignore_unlisted needs --mask_values: the values that are classes, in class order"
+        )
+    present = [v for v in found if v not in ignored]
+    values = list(asked.values) if given else present
+    shown = show_values(values, colour)
+    unknown = sorted(set(present) - set(values))
+    if unknown and not asked.unlisted_ignored:
+        v = show_value(unknown[0], colour)
+        raise DataError(
+            f"mask {found[unknown[0]][NAME]} has value {v}, which is not one of mask_values "
+            f"{show_values(values, colour, most=len(values))}: fix the mask, list the value in "
+            f"--mask_values, or leave it out with --ignore_index {v}"
         )
     if len(values) < 2:
+        only = show_value(values[0], colour) if values else "(every value ignored)"
         raise DataError(
-            f"every mask holds only the value {values[0]}: a model needs a background and at "
+            f"every mask holds only the value {only}: a model needs a background and at "
             f"least one class; check the masks, or set --mask_values"
         )
     inferred = not (num_classes or given)
@@ -140,29 +298,63 @@ def classes_and_size(
             f"{fixed} gives {len(values)} mask values, which does not fit num_classes "
             f"{num_classes}: set --num_classes"
         )
-    rare = min(values, key=lambda v: found.get(v, [0])[0])
+    rare = min(values, key=lambda v: found.get(v, [0])[MASKS])
     if len(values) != value_count(num_classes):
         raise DataError(
             f"the masks hold {len(values)} values ({shown}) where num_classes {num_classes} "
-            f"expects {value_count(num_classes)}; the rarest, {rare}, is in {found[rare][0]} "
-            f"mask(s), such as {found[rare][1]}: fix the masks, set --num_classes, or set "
-            f"--mask_values to the values that are classes"
+            f"expects {value_count(num_classes)}; the rarest, {show_value(rare, colour)}, is in "
+            f"{found[rare][MASKS]} mask(s), such as {found[rare][NAME]}: fix the masks, set "
+            f"--num_classes, or set --mask_values to the values that are classes"
         )
-    masks = sum(len(split_sizes) for split_sizes in sizes)
-    if inferred and (len(values) > 32 or (found[rare][0] == 1 and masks >= 20)):
-        # Inferred classes: a value in a single mask, or dozens of values (antialiased or JPEG
-        # masks), is more likely a broken mask than a class.
+    masks = sum(map(len, scan.sizes))
+    edges = [v for v in values if inferred and found[v][INTERIOR] < EDGE_ONLY * found[v][PIXELS]]
+    # One odd value in a single mask of many is more likely a broken mask than a class; several
+    # values along the edges are what lossy masks hold.
+    if inferred and found[rare][MASKS] == 1 and masks >= 20 and len(edges) < 2:
         raise DataError(
-            f"the masks hold {len(values)} values ({shown}); the rarest, {rare}, is in "
-            f"{found[rare][0]} of {masks} masks, such as {found[rare][1]}: fix the masks, set "
-            f"--mask_values to the values that are classes, or --num_classes {len(values)} to "
-            f"keep them all"
+            f"the masks hold {len(values)} values ({shown}); the rarest, "
+            f"{show_value(rare, colour)}, is in 1 of {masks} masks, such as {found[rare][NAME]}: "
+            f"fix the masks, set --mask_values to the values that are classes, or --num_classes "
+            f"{len(values)} to keep them all"
         )
-    if image_size:
-        return values, num_classes, tuple(image_size)
+    if edges:
+        v = edges[0]
+        raise DataError(
+            f"the masks hold {len(values)} values ({shown}), and {len(edges)} of them, such as "
+            f"{show_value(v, colour)} in {found[v][NAME]}, lie only along the edges between "
+            f"others, as resizing with interpolation or saving as JPEG leaves them: save the "
+            f"masks as PNG, resized by nearest neighbour, or set --mask_values to the values "
+            f"that are classes"
+        )
+    notes = []
+    others = [v for v in values if v != VOID]
+    if not given and VOID in values and len(others) >= 2 and max(others) < 64:
+        notes.append(
+            f"note: mask value {VOID} looks like a void label (the other values are "
+            f"{min(others)}..{max(others)}, as in Pascal VOC), and is a class of its own now: "
+            f"--ignore_index {VOID} leaves its pixels out of the loss and the metrics"
+        )
+    classes = MaskClasses(tuple(values), tuple(sorted(ignored)), asked.unlisted_ignored, colour)
+    return classes, num_classes, notes
+
+
+def target_sizes(sizes, *, image_size, scale, bucket_by_size, min_size):
+    """(per split, the (height, width) each image is decoded at; the input size that all share,
+    or None with bucket_by_size: each its own). image_size (h, w): every image at it; scale: each
+    at its own size times scale, truncated as milesial/Pytorch-UNet's --scale does (1918x1280
+    at 0.5 is 959x640); neither: each at its own size. min_size: the model's smallest side."""
+
+    def target(height, width):
+        if image_size:
+            return tuple(image_size)
+        if scale:
+            return max(int(height * scale), 1), max(int(width * scale), 1)
+        return height, width
+
+    targets = [[target(*size) for size in split] for split in sizes]
     if bucket_by_size:
-        return values, num_classes, None  # every image keeps its own size
-    distinct = sorted({size for split_sizes in sizes for size in split_sizes})
+        return targets, None
+    distinct = sorted({size for split in targets for size in split})
     if len(distinct) > 1:
         (h1, w1), (h2, w2) = distinct[:2]
         raise DataError(
@@ -175,46 +367,56 @@ def classes_and_size(
             f"images are {w}x{h}, smaller than {min_size} pixels (crop_size, or the model's "
             f"smallest input): set --image_size"
         )
-    return values, num_classes, (h, w)
+    return targets, (h, w)
 
 
-def decode_pair(pairs, i, values, mode, size=None):
-    """Pair i of `pairs` as uint8 tensors: the image in PIL `mode` [C, H, W] and its class
-    indices [H, W] (int64 past 256 classes), resized to `size` (height, width) if given, the
-    mask by nearest neighbour. A DataError names a file that fails."""
+def nearest(mask, size):
+    """A class mask [H, W] resized to `size` (height, width) by nearest neighbour, in any dtype."""
+    (height, width), (h, w) = mask.shape, size
+    rows = (torch.arange(h) * (height / h)).long().clamp(max=height - 1)
+    cols = (torch.arange(w) * (width / w)).long().clamp(max=width - 1)
+    return mask[rows[:, None], cols[None]]
+
+
+def decode_pair(pairs, i, classes, mode, size):
+    """Pair i of `pairs` as tensors: the image in PIL `mode`, uint8 [C, H, W], and its class
+    indices [H, W] (MaskClasses.dtype), both at `size` (height, width): the image resized with
+    antialiasing, the mask by nearest neighbour. A JPEG to be made smaller is decoded at reduced
+    size first (PIL's draft: a half, a quarter or an eighth, never below `size`), which decodes
+    several times faster. A DataError names a file that fails."""
     # Here, not at the top: torchvision loads torch's compiler (over 1 s), which --help skips.
-    from torchvision.transforms.v2.functional import InterpolationMode, pil_to_tensor, resize
+    from torchvision.transforms.v2.functional import pil_to_tensor, resize
 
-    image, mask_values, name = pairs[i]
+    image, mask, name = pairs[i]
+    height, width = size
     try:
+        if getattr(image, "format", None) == "JPEG" and height < image.height:
+            image.draft(mode if mode in ("RGB", "L") else None, (width, height))
         image = image.convert(mode)  # decodes an image file: the scan read only its header
     except IMAGE_ERRORS as e:  # such as a truncated file
         raise unreadable_image(getattr(image, "filename", "") or name, e) from None
-    lut = np.zeros(
-        max(max(values), int(mask_values.max())) + 1,
-        np.uint8 if len(values) <= 256 else np.int64,
-    )
-    lut[values] = np.arange(len(values))  # the scan made sure that no other value occurs
-    image, classes = pil_to_tensor(image), torch.from_numpy(lut[mask_values])
-    if size is not None and tuple(classes.shape) != tuple(size):
-        image = resize(image, list(size), antialias=True)
-        classes = resize(classes[None], list(size), InterpolationMode.NEAREST)[0]
-    return image, classes
+    image, target = pil_to_tensor(image), torch.from_numpy(classes.classes_of(mask))
+    if tuple(image.shape[1:]) != (height, width):
+        image = resize(image, [height, width], antialias=True)
+    if tuple(target.shape) != (height, width):
+        target = nearest(target, size)
+    return image, target
 
 
-def decode_all(pairs, values, mode, size, threads):
-    """Every pair decoded once by decode_pair() on `threads` threads: (images, masks), two
-    stacked tensors when `size` is given, else two lists. The first bad file in order stops it,
-    so every process that decodes the same pairs says the same."""
+def decode_all(pairs, classes, mode, sizes, threads, *, stack):
+    """Every pair decoded once by decode_pair() at its size in `sizes`, on `threads` threads:
+    (images, masks), two stacked tensors with `stack` (all of one size), else two lists. The
+    first bad file in order stops it, so every process that decodes the same pairs says the
+    same."""
     n = len(pairs)
-    if size is None:
-        images, masks = [None] * n, [None] * n
+    if stack:
+        images = torch.empty(n, len(mode), *sizes[0], dtype=torch.uint8)  # RGB: 3 bands
+        masks = torch.empty(n, *sizes[0], dtype=classes.dtype)
     else:
-        images = torch.empty(n, len(mode), *size, dtype=torch.uint8)  # a band per letter: RGB 3
-        masks = torch.empty(n, *size, dtype=torch.uint8 if len(values) <= 256 else torch.int64)
+        images, masks = [None] * n, [None] * n
 
     def put(i):
-        images[i], masks[i] = decode_pair(pairs, i, values, mode, size)
+        images[i], masks[i] = decode_pair(pairs, i, classes, mode, sizes[i])
 
     with ThreadPoolExecutor(threads) as pool:  # PIL and resize let go of the GIL while they work
         for _ in pool.map(put, range(n)):  # raises the first failure in order
@@ -238,15 +440,16 @@ def pad_collate(batch, multiple):
 
 class SegmentationSet(Dataset):
     """Whole batches, read a batch at a time (`__getitems__`): uint8 images [N, C, H, W] and
-    int64 class indices [N, H, W], and for training (`randoms`) rand [N, RANDOMS]: per sample,
-    uniform numbers seeded with (seed, epoch, sample index), for the recipe's augmentation.
-    The images come from `cache` (decode_all, on any device: a batch is gathered there), or are
-    decoded from `pairs` at every read, in DataLoader workers. `pad`: images of different sizes,
-    padded per batch to a multiple of `pad` (pad_collate). `epoch` lives in shared memory, so
-    persistent workers see the recipe set it before each epoch."""
+    int64 class indices [N, H, W] (IGNORE where ignored or padded), and for training
+    (`randoms`) rand [N, RANDOMS]: per sample, uniform numbers seeded with (seed, epoch, sample
+    index), for the recipe's augmentation. The images come from `cache` (decode_all, on any
+    device: a batch is gathered there), or are decoded from `pairs` at every read, each at its
+    size in `sizes`, in DataLoader workers. `pad`: images of different sizes, padded per batch
+    to a multiple of `pad` (pad_collate). `epoch` lives in shared memory, so persistent workers
+    see the recipe set it before each epoch."""
 
-    def __init__(self, pairs, values, mode, size, *, seed, randoms, cache=None, pad=0):
-        self.pairs, self.values, self.mode, self.size = pairs, values, mode, size
+    def __init__(self, pairs, classes, mode, sizes, *, seed, randoms, cache=None, pad=0):
+        self.pairs, self.classes, self.mode, self.sizes = pairs, classes, mode, sizes
         self.seed, self.with_randoms, self.cache, self.pad = seed, randoms, cache, pad
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
@@ -266,15 +469,17 @@ class SegmentationSet(Dataset):
 
     def __getitems__(self, indices):
         if self.cache is None:
-            pairs = [decode_pair(self.pairs, i, self.values, self.mode, self.size) for i in indices]
+            pairs = [
+                decode_pair(self.pairs, i, self.classes, self.mode, self.sizes[i]) for i in indices
+            ]
         elif self.pad:  # a list of images of their own sizes
             pairs = [(self.cache[0][i], self.cache[1][i]) for i in indices]
         else:  # one gather per tensor, where the cache is
             index = to_device(torch.as_tensor(indices), self.cache[0].device)
             images = self.cache[0].index_select(0, index)
-            masks = self.cache[1].index_select(0, index).long()
+            masks = as_classes(self.cache[1].index_select(0, index))
         if self.cache is None or self.pad:
-            pairs = [(image, mask.long()) for image, mask in pairs]
+            pairs = [(image, as_classes(mask)) for image, mask in pairs]
             if self.pad:
                 images, masks = pad_collate(pairs, self.pad)
             else:
@@ -295,37 +500,48 @@ class SegmentationSet(Dataset):
 class SegmentationData:
     train_loader: DataLoader
     val_loader: DataLoader
-    values: list  # class i is mask value values[i]
+    classes: MaskClasses  # class i is mask value classes.values[i]; what counts for nothing
     num_classes: int  # the setting, or the number of mask values
     input_size: tuple | None  # (height, width) of every model input; None: each image its own
     in_channels: int  # the setting, or the images' (input_channels of their mode)
+    class_pixels: list  # the training masks' pixels of each class
+    notes: list  # lines for the start-up: what the data suggests, such as a void label
     max_batch_pixels: int  # bucket_by_size: the padded pixels of a training batch; else 0
     batch: object  # for describe(): the batch size, or what a bucketed batch holds
     shapes: str  # the images' size, for the start-up line
     reading: str  # how the images are read: cached or decoded per read, for the start-up line
     cached: bool  # cache_images as resolved: decoded once at start-up
 
+    @property
+    def values(self):
+        return list(self.classes.values)
+
     def __str__(self):
+        classes = self.classes
         sigmoid = " (one sigmoid output)" if self.num_classes == 1 else ""
+        ignored = [show_value(v, classes.colour) for v in classes.ignored]
+        ignored += ["every other value"] if classes.unlisted_ignored else []
+        ignored = f"; ignored: {', '.join(ignored)}" if ignored else ""
+        colours = "colours" if classes.colour else "values"
         return (
             f"{self.reading}; {len(self.train_loader.dataset)} train / "
             f"{len(self.val_loader.dataset)} validation images of {self.shapes}; classes: mask "
-            f"values {','.join(map(str, self.values))}{sigmoid}"
+            f"{colours} {show_values(classes.values, classes.colour, most=12)}{sigmoid}{ignored}"
         )
 
 
-def decoded(pairs, values, mode, size, *, threads, device, cache_decoded):
-    """decode_all() of the pairs, once: for a fixed size through common.cache (cache_decoded),
-    keyed by the pairs' identity() and by the code that reads and decodes them, so a later run
-    on the same files and code reads a file instead; then onto `device`."""
-    if size is None:  # images of their own sizes: a list per split, decoded every run
-        images, masks = decode_all(pairs, values, mode, size, threads)
+def decoded(pairs, classes, mode, sizes, *, fixed, threads, device, cache_decoded):
+    """decode_all() of the pairs, once: when all share one size (`fixed`) through common.cache
+    (cache_decoded), keyed by the pairs' identity() and by the code that reads and decodes them,
+    so a later run on the same files and code reads a file instead; then onto `device`."""
+    if not fixed:  # images of their own sizes: a list per split, decoded every run
+        images, masks = decode_all(pairs, classes, mode, sizes, threads, stack=False)
         return [t.to(device) for t in images], [t.to(device) for t in masks]
-    key = ["segmentation", pairs.identity(), values, mode, list(size)]
-    code = (type(pairs).__getitem__, decode_pair)
+    key = ["segmentation", pairs.identity(), asdict(classes), mode, list(sizes[0])]
+    code = (type(pairs).__getitem__, decode_pair, MaskClasses)
     images, masks = cached_tensors(
         key,
-        lambda: decode_all(pairs, values, mode, size, threads),
+        lambda: decode_all(pairs, classes, mode, sizes, threads, stack=True),
         code=code,
         enabled=cache_decoded,
     )
@@ -337,11 +553,12 @@ def load_segmentation(
     val_pairs,
     *,
     accelerator,
-    values,
+    classes,
     fixed,
     num_classes,
     in_channels,
     image_size,
+    scale,
     bucket_by_size,
     max_batch_pixels,
     cache_images,
@@ -356,30 +573,30 @@ def load_segmentation(
     """Check every mask on all processes, then build the training and validation loaders: plain
     ones for accelerator.prepare() to shard, or with bucket_by_size, bucketed ones that are
     sharded and on the device already (do not prepare them).
-    values: the classes' mask values in order, or None for those found; `fixed`: where given
-    values come from, for messages (--mask_values, a weights file). image_size: (h, w) or None.
-    cache_images: True, False or None (auto: if it fits CACHE_BUDGET_GB): each process decodes
-    all images once onto its device (a GPU's memory is its own) and gathers its batches there,
-    with no workers; cache_decoded: keep those decoded tensors on disk for later runs.
-    pad_multiple: padded sides are multiples of it; min_size: the model's smallest side."""
+    classes: MaskClasses as asked (values None: those found); `fixed`: where given values come
+    from, for messages (--mask_values, a weights file). image_size: (h, w) or None; scale: 0, or
+    each image's own size times it (target_sizes). cache_images: True, False or None (auto: if
+    it fits CACHE_BUDGET_GB): each process decodes all images once onto its device (a GPU's
+    memory is its own) and gathers its batches there, with no workers; cache_decoded: keep
+    those decoded tensors, and the scan, on disk for later runs. pad_multiple: padded sides are
+    multiples of it; min_size: the model's smallest side."""
     require_one_batch_per_process(len(train_pairs), batch_size, accelerator, "the training data")
-    found, sizes, modes = scan_pairs(accelerator, [train_pairs, val_pairs])
-    values, num_classes, input_size = classes_and_size(
-        found,
-        sizes,
-        values=values,
-        num_classes=num_classes,
-        fixed=fixed,
+    scan = scan_pairs(accelerator, [train_pairs, val_pairs], remember=cache_decoded)
+    classes, num_classes, notes = choose_classes(
+        scan, classes, num_classes=num_classes, fixed=fixed
+    )
+    sizes, input_size = target_sizes(
+        scan.sizes,
         image_size=image_size,
+        scale=scale,
         bucket_by_size=bucket_by_size,
         min_size=min_size,
     )
-    channels = channels_of_data(in_channels, modes)
+    channels = channels_of_data(in_channels, scan.modes)
     mode = MODES[channels]
-    pixels = sum(h * w for split_sizes in sizes for h, w in split_sizes)
-    if input_size is not None:
-        pixels = sum(map(len, sizes)) * input_size[0] * input_size[1]
-    size_gb = (channels + 1) * pixels / 2**30  # uint8 channels and one byte of class per pixel
+    pixels = sum(h * w for split in sizes for h, w in split)
+    mask_bytes = classes.dtype.itemsize
+    size_gb = (channels + mask_bytes) * pixels / 2**30  # uint8 channels and the class masks
     cached = size_gb <= CACHE_BUDGET_GB if cache_images is None else cache_images
     device = accelerator.device
     workers = 0 if cached else worker_count(num_workers, accelerator.num_processes)
@@ -389,27 +606,28 @@ def load_segmentation(
         where = f"by {workers} DataLoader worker(s) per" if workers else "in the training"
         reading = f"images decoded at every read {where} process"
 
-    def dataset(pairs, train):
+    def dataset(pairs, split_sizes, train):
         cache = None
         if cached:
-            threads = cpus_per_process(accelerator.num_processes)
             cache = decoded(
                 pairs,
-                values,
+                classes,
                 mode,
-                input_size,
-                threads=threads,
+                split_sizes,
+                fixed=input_size is not None,
+                threads=cpus_per_process(accelerator.num_processes),
                 device=device,
                 cache_decoded=cache_decoded,
             )
         pad = pad_multiple if bucket_by_size else 0
         return SegmentationSet(
-            pairs, values, mode, input_size, seed=seed, randoms=train, cache=cache, pad=pad
+            pairs, classes, mode, split_sizes, seed=seed, randoms=train, cache=cache, pad=pad
         )
 
-    train_set, val_set = dataset(train_pairs, True), dataset(val_pairs, False)
+    train_set, val_set = dataset(train_pairs, sizes[0], True), dataset(val_pairs, sizes[1], False)
     pin = device.type == "cuda" and not cached  # non_blocking: the copy to the GPU does not wait
-    known = (values, num_classes, input_size, channels)
+    class_pixels = [scan.values.get(v, [0] * 5)[TRAIN_PIXELS] for v in classes.values]
+    known = (classes, num_classes, input_size, channels, class_pixels, notes)
     if not bucket_by_size:  # each loader with its own generator: see seeded_loader
         loaders = [
             seeded_loader(
@@ -455,4 +673,5 @@ def load_segmentation(
         pin_memory=pin,
     )
     batch = f"batches of at most {budget} padded pixels per process"
-    return SegmentationData(train, val, *known, budget, batch, "their own sizes", reading, cached)
+    shape = "their own sizes" + (f" times {scale:g}" if scale else "")
+    return SegmentationData(train, val, *known, budget, batch, shape, reading, cached)

@@ -37,15 +37,30 @@ from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import OnnxModel, export_onnx
 from common.inference import predicted_classes, segment
+from common.metrics import class_scores, confusion_counts
 from common.outputs import open_run
 from common.progress import Progress
 from common.runtime import run
 from common.schedule import fit_schedule
-from common.segmentation_data import IGNORE, MODES, load_segmentation, value_count
+from common.segmentation_data import (
+    IGNORE,
+    MODES,
+    load_segmentation,
+    show_value,
+    value_count,
+)
 from common.signals import catch_stop_signals
 from common.tracking import image_panel, start_logging
-from unet_data import Pairs, list_pairs, mask_values, parse_values  # ADAPT: your data
-from unet_model import MIN_SIZE, PAD_MULTIPLE, UNet  # ADAPT: your model
+from unet_data import Pairs, list_pairs, mask_classes, parse_values  # ADAPT: your data
+from unet_model import (  # ADAPT: your model
+    ENCODER_MEAN,
+    ENCODER_STD,
+    ENCODERS,
+    MIN_SIZE,
+    PAD_MULTIPLE,
+    build_unet,
+    load_encoder_weights,
+)
 from unet_predict import predict_batches, predict_files, sample_images, write_masks
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
@@ -62,17 +77,25 @@ class Config(RunConfig):
     train_split: str = "train"  # datasets data
     val_split: str = "validation"  # datasets data
     output_dir: str = f"runs/{NAME}"  # config.yaml, metrics.jsonl, weights, checkpoints/
-    # Classes: a mask holds a grey level or palette index per class.
-    mask_values: str = ""  # mask values in class order, e.g. "0,255"; empty: the values found
+    # Classes: a mask holds a grey level, palette index or label id per class, or a colour.
+    mask_values: str = ""  # in class order, e.g. 0,255 or #000000,#800000; empty: those found
+    ignore_index: str = ""  # mask values that count for nothing (loss, metrics), e.g. 255 (VOC)
+    ignore_unlisted: bool = False  # and every value not in mask_values (Cityscapes' 34 ids)
     num_classes: int = 0  # with background; 0: one per mask value; 1: a sigmoid, for 2 values
     # Model.
     in_channels: int = 0  # of the model's input: 1 grey, 3 RGB, 4 RGBA; 0: the images' own
-    base_channels: int = 64  # width of the first level, doubled at each of the 4 levels down
+    encoder: str = ""  # resnet18, resnet34 or resnet50: a torchvision ResNet encoder; "": none
+    encoder_weights: str = ""  # pretrained encoder: a torchvision .pth file, or a name to download
+    base_channels: int = (
+        64  # first level's width, doubled at each level down (encoder: 16 is usual)
+    )
     bilinear: bool = False  # upsample by bilinear interpolation, not transposed convolutions
     sync_bn: bool = True  # BatchNorm statistics over all processes' batches (GPUs only)
     channels_last: bool | None = None  # NHWC: faster fp16/bf16 convolutions; auto: on with CUDA
-    # Augmentation: an image and its mask get the same resize (once, at decoding), crop and flips.
-    image_size: int = 0  # resize to image_size x image_size; 0: keep the files' size (all alike)
+    grad_checkpointing: bool = False  # recompute each level's activations in backward: less memory
+    # Size and augmentation: an image and its mask get the same resize (at decoding), crop, flips.
+    image_size: str = ""  # resize to SIZE x SIZE, or HxW (height x width); empty: the files' size
+    scale: float = 0.0  # resize each image by this factor, keeping its aspect ratio; 0: no resize
     crop_size: int = 0  # training only: a random square crop after the resize; 0: no crop
     hflip: float = 0.5  # training only: probability of a horizontal flip
     vflip: float = 0.0  # training only: probability of a vertical flip
@@ -91,6 +114,9 @@ class Config(RunConfig):
     weight_decay: float = 1e-4  # AdamW weight decay
     scheduler: str = "cosine"  # cosine: to 0 at the last step; plateau: x0.1 after 5 flat evals
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
+    class_weights: str = ""  # cross-entropy weight per class, e.g. 0.2,1,1; auto: from pixel counts
+    focal_gamma: float = 0.0  # above 0: focal loss, (1 - p)^gamma x cross-entropy; 2 is usual
+    best_metric: str = "miou"  # miou or dice: picks best.safetensors, early stops, plateau's lr
     seed: int = 0  # model init, data order and augmentation; same seed, same run
     log_every: int = 20  # optimizer steps between logged scalars; image panels at every eval
     # Predict: write masks for new images with `weights`, whose file records the model settings.
@@ -110,23 +136,47 @@ class Config(RunConfig):
             f"scheduler must be cosine or plateau, got {self.scheduler!r}",
         )
         require(0 <= self.hflip <= 1 and 0 <= self.vflip <= 1, "hflip and vflip are probabilities")
-        for name in ("image_size", "crop_size"):
-            require(
-                getattr(self, name) == 0 or getattr(self, name) >= MIN_SIZE,
-                f"{name} must be 0 or at least {MIN_SIZE}: the U-Net halves the image 4 times",
-            )
+        size = image_size(self)
         require(
-            not self.image_size or self.crop_size <= self.image_size,
-            "crop_size cannot exceed image_size",
+            self.crop_size == 0 or self.crop_size >= MIN_SIZE,
+            f"crop_size must be 0 or at least {MIN_SIZE}: the U-Net halves the image 4 times",
         )
         require(
-            not self.bucket_by_size or not (self.image_size or self.crop_size),
+            not size or self.crop_size <= min(size), "crop_size cannot exceed image_size's sides"
+        )
+        require(self.scale >= 0, f"scale must be above 0 (or 0: no resize), got {self.scale}")
+        require(not (size and self.scale), "choose one of image_size and scale")
+        require(
+            not self.bucket_by_size or not (size or self.crop_size),
             "bucket_by_size trains on the images' own sizes: leave image_size, crop_size at 0",
         )
         require(
             self.in_channels in (0, *MODES),
             f"in_channels must be 0 (from the images), 1, 2, 3 or 4, got {self.in_channels}",
         )
+        require(
+            self.encoder in ("", *ENCODERS),
+            f"encoder must be empty (the classic U-Net) or {', '.join(ENCODERS)}, got "
+            f"{self.encoder!r}",
+        )
+        require(
+            not self.encoder or self.in_channels in (0, 3),
+            f"a {self.encoder} encoder takes RGB: leave in_channels at 0 (images are read as RGB)",
+        )
+        require(not self.encoder or not self.bilinear, "an encoder's decoder always interpolates")
+        require(
+            not self.encoder_weights or self.encoder,
+            "encoder_weights needs an encoder: add --encoder resnet34 (or resnet18, resnet50)",
+        )
+        require(
+            self.best_metric in ("miou", "dice"),
+            f"best_metric must be miou or dice, got {self.best_metric!r}",
+        )
+        require(self.focal_gamma >= 0, f"focal_gamma must be 0 or more, got {self.focal_gamma}")
+        if self.ignore_index:
+            parse_values(self.ignore_index, "--ignore_index")
+        if self.class_weights and self.class_weights != "auto":
+            listed_weights(self.class_weights)
         require(
             0 < self.val_fraction < 1,
             f"val_fraction must be between 0 and 1, got {self.val_fraction}",
@@ -158,14 +208,37 @@ class Config(RunConfig):
         )
 
 
+def image_size(cfg):
+    """image_size as (height, width): "512" is (512, 512), "640x960" (640, 960); None if empty."""
+    text = str(cfg.image_size).strip().lower()
+    if text in ("", "0"):
+        return None
+    try:
+        height, width = (int(v) for v in text.split("x")) if "x" in text else (int(text),) * 2
+    except ValueError:
+        height = width = 0
+    require(
+        min(height, width) >= MIN_SIZE,
+        f"image_size must be SIZE or HxW (height x width), each at least {MIN_SIZE} (the U-Net "
+        f"halves the image 4 times), like 512 or 640x960; got {cfg.image_size!r}",
+    )
+    return height, width
+
+
 # ADAPT: your model: the Config fields that build it, recorded in the weights file for predict.
-MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels", "bilinear")
+MODEL_SETTINGS = ("in_channels", "num_classes", "encoder", "base_channels", "bilinear")
 INFERRED = ("in_channels", "num_classes")  # 0: from the data, or from the weights file
 RECORD = "segmentation"  # the weights file's entry for predict: settings, classes, size, flips
+# What predict needs besides the model's settings: the classes' mask values (and those ignored in
+# training), how images were sized (input_size, or each its own size times scale), the flips.
+RECORDED = ("model", "mask_values", "ignored", "ignore_unlisted", "colour_masks", "input_size")
+RECORDED += ("scale", "flips")
 
 
-def build_model(settings):
-    return UNet(**settings)
+def build_model(settings, grad_checkpointing=False):
+    """The model that `settings` (MODEL_SETTINGS) describe. grad_checkpointing: recompute its
+    activations in the backward pass (no setting of the model: the weights are the same)."""
+    return build_unet(**settings, grad_checkpointing=grad_checkpointing)
 
 
 def read_trained(path):
@@ -175,7 +248,7 @@ def read_trained(path):
     record = read_record(path, RECORD) if path else None
     if record is None:
         return None
-    missing = sorted({"model", "mask_values", "input_size", "flips"} - set(record))
+    missing = sorted(set(RECORDED) - set(record))
     missing = missing or sorted(set(MODEL_SETTINGS) - set(record["model"]))
     if missing:
         raise UserError(
@@ -202,9 +275,15 @@ def trained_model(path, device="cpu"):
     return model.to(device).eval(), record
 
 
-# ADAPT: your input: a uint8 batch [N, C, H, W] as floats (training, predict and export).
+# ADAPT: your input: a uint8 batch [N, C, H, W] as floats (training, predict and export); with a
+# pretrained encoder, normalised as its ImageNet weights expect.
 def prepare_input(x, cfg):
     x = x.float() / 255
+    if cfg.encoder:
+        mean, std = (
+            torch.tensor(v, device=x.device).view(1, -1, 1, 1) for v in (ENCODER_MEAN, ENCODER_STD)
+        )
+        x = (x - mean) / std
     return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
 
 
@@ -214,9 +293,13 @@ def augment(images, masks, rand, cfg):
     return crop_and_flip(images, masks, rand, crop=cfg.crop_size, hflip=cfg.hflip, vflip=cfg.vflip)
 
 
-# ADAPT: your loss. Padded pixels (IGNORE, bucket_by_size) must count for nothing.
-def loss_per_image(logits, target, num_classes):
-    """Cross-entropy (BCE for 1 class) + soft Dice loss over all classes, per image, in fp32."""
+# ADAPT: your loss. Ignored pixels (IGNORE: ignore_index, and the padding of bucket_by_size) must
+# count for nothing.
+def loss_per_image(logits, target, *, num_classes, weights=None, focal_gamma=0.0):
+    """Cross-entropy (BCE for 1 class) + soft Dice loss over all classes, per image, in fp32.
+    weights: a weight per class for the cross-entropy (class_weights); focal_gamma: the focal
+    loss of Lin et al., (1 - p)^gamma x cross-entropy, where p is the probability of the true
+    class: pixels the model already gets right count less."""
     logits, valid = logits.float(), (target != IGNORE).float()
     pixels, target = valid.sum((1, 2)).clamp(min=1), target.clamp(min=0)
     if num_classes == 1:
@@ -226,14 +309,71 @@ def loss_per_image(logits, target, num_classes):
     else:
         ce = F.cross_entropy(logits, target, reduction="none")
         probs, onehot = logits.softmax(1), F.one_hot(target, num_classes).permute(0, 3, 1, 2)
+    if focal_gamma:
+        ce = ce * (1 - torch.exp(-ce)) ** focal_gamma  # exp(-ce) is p
+    if weights is not None:
+        ce = ce * weights[target.long()]
     probs, onehot = probs * valid[:, None], onehot * valid[:, None]
     inter, total = (probs * onehot).sum((2, 3)), (probs + onehot).sum((2, 3))
     dice = (2 * inter + 1) / (total + 1)  # +1: a class absent from both scores 1
     return (ce * valid).sum((1, 2)) / pixels + 1 - dice.mean(1)
 
 
+def listed_weights(text):
+    """--class_weights 0.2,1,1 as [0.2, 1.0, 1.0], or a ConfigError."""
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        weights = []
+    require(
+        weights and min(weights) >= 0 and max(weights) > 0,
+        f"class_weights must be auto or a non-negative weight per class, like 0.2,1,1; got "
+        f"{text!r}",
+    )
+    return weights
+
+
+def class_weights(cfg, class_pixels):
+    """The cross-entropy's weight per class as a tensor, or None: --class_weights as listed, or
+    auto: ENet's 1 / ln(1.02 + share) of each class's share of the training pixels (a rare class
+    weighs up to 50 times a common one, not the thousands that 1 / share can reach), scaled so
+    that the average training pixel weighs 1, as without weights."""
+    if not cfg.class_weights:
+        return None
+    count = value_count(cfg.num_classes)
+    if cfg.class_weights != "auto":
+        weights = listed_weights(cfg.class_weights)
+        if len(weights) != count:
+            raise UserError(
+                f"class_weights lists {len(weights)} weights for {count} classes: give one per "
+                f"class, or auto"
+            )
+        return torch.tensor(weights)
+    share = torch.tensor(class_pixels, dtype=torch.float64) / max(sum(class_pixels), 1)
+    weights = 1 / torch.log(1.02 + share)
+    return (weights / (weights * share).sum()).float()
+
+
+DOMINANT = 0.9  # the share of pixels above which one class is said to dominate
+
+
+def imbalance_note(cfg, data):
+    """A start-up line when one class holds most of the training pixels and neither class_weights
+    nor focal_gamma is set: the model may then learn that class alone, which Dice hides."""
+    pixels = data.class_pixels
+    top = max(range(len(pixels)), key=pixels.__getitem__)
+    share = pixels[top] / max(sum(pixels), 1)
+    if share <= DOMINANT or cfg.class_weights or cfg.focal_gamma:
+        return None
+    value = show_value(data.values[top], data.classes.colour)
+    return (
+        f"note: class {top} (mask value {value}) holds {share:.0%} of the training pixels: if the "
+        f"model learns it alone (miou near {1 / len(pixels):.2f}), set --class_weights auto"
+    )
+
+
 # ADAPT: your metric. Per image and foreground class: |pred & true| and |pred| + |true|, of hard
-# predictions; padded pixels (IGNORE) are in neither. evaluate() makes the mean Dice of them.
+# predictions; ignored pixels (IGNORE) are in neither. evaluate() makes the mean Dice of them.
 def dice_counts(logits, target, num_classes):
     pred = torch.where(target == IGNORE, 0, predicted_classes(logits, num_classes))
     classes = torch.arange(1, value_count(num_classes), device=pred.device)[:, None, None]
@@ -245,17 +385,18 @@ def load_data(cfg, accelerator, trained=None):
     """The loaders, and what the data decides (classes, input size, channels): unet_data.py lists
     and reads the pairs, common/segmentation_data.py does the rest (the scan of every mask on
     all processes, decoding, augmentation's random numbers, bucketing). trained: the record of
-    --weights, whose mask values are the classes."""
+    --weights, whose classes are the classes."""
     train_pairs, val_pairs = (Pairs(listed) for listed in list_pairs(cfg))
     return load_segmentation(
         train_pairs,
         val_pairs,
         accelerator=accelerator,
-        values=mask_values(cfg, trained["mask_values"] if trained else None),
+        classes=mask_classes(cfg, trained),
         fixed="--mask_values" if cfg.mask_values else cfg.weights,
         num_classes=cfg.num_classes,
-        in_channels=cfg.in_channels,
-        image_size=(cfg.image_size, cfg.image_size) if cfg.image_size else None,
+        in_channels=3 if cfg.encoder else cfg.in_channels,  # an encoder takes RGB
+        image_size=image_size(cfg),
+        scale=cfg.scale,
         bucket_by_size=cfg.bucket_by_size,
         max_batch_pixels=cfg.max_batch_pixels,
         cache_images=cfg.cache_images,
@@ -304,12 +445,13 @@ DATA_ORDER = (
     "gradient_accumulation_steps",
     "bucket_by_size",
     "max_batch_pixels",
+    "scale",
 )
 
 
-def save(accelerator, cfg, progress, scheduler, values):
+def save(accelerator, cfg, *, progress, scheduler, classes):
     """A checkpoint: Accelerate's state, the position in the data, the LR schedule, DATA_ORDER,
-    and the mask values of the classes, which a resume needs the same."""
+    and the classes' mask values and those ignored, which a resume needs the same."""
     save_training(
         accelerator,
         cfg,
@@ -317,13 +459,25 @@ def save(accelerator, cfg, progress, scheduler, values):
         scheduler=scheduler,
         recipe=NAME,
         data_order=DATA_ORDER,
-        mask_values=values,
+        **same_classes(classes),
     )
 
 
-def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progress, ema, values):
+def same_classes(classes):
+    """What a checkpoint records of the classes, by the names of their settings."""
+    return {
+        "mask_values": list(classes.values),
+        "ignore_index": list(classes.ignored),
+        "ignore_unlisted": classes.unlisted_ignored,
+    }
+
+
+def train_one_epoch(
+    model, loader, optimizer, *, scheduler, accelerator, cfg, progress, ema, classes, weights
+):
     """One pass over this process's shard, or its rest after a resume. `progress` counts the
-    batches and steps, says when to log, checkpoint and stop, and sums up the epoch."""
+    batches and steps, says when to log, checkpoint and stop, and sums up the epoch. classes:
+    what checkpoints record of them; weights: the loss's class weights (class_weights)."""
     model.train()
     progress.start_epoch(len(loader))
     main_process = accelerator.is_main_process
@@ -332,7 +486,14 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
     ):
         with accelerator.accumulate(model):
             x, y = augment(x, y, rand, cfg)  # per sample, the same on any number of processes
-            loss = loss_per_image(model(prepare_input(x, cfg)), y, cfg.num_classes).mean()
+            logits = model(prepare_input(x, cfg))
+            loss = loss_per_image(
+                logits,
+                y,
+                num_classes=cfg.num_classes,
+                weights=weights,
+                focal_gamma=cfg.focal_gamma,
+            ).mean()
             accelerator.backward(progress.weighted(loss))  # a short last group weighs more
             if cfg.grad_clip and accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -348,20 +509,22 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
         if progress.log_due:
             accelerator.log(progress.train_scalars(optimizer), step=progress.step)
         if progress.checkpoint_due:  # every checkpoint_every_steps, and before stopping
-            save(accelerator, cfg, progress, scheduler, values)
+            save(accelerator, cfg, progress=progress, scheduler=scheduler, classes=classes)
         if progress.stopping:  # max_steps, or Ctrl-C / SIGTERM on any rank
             break
     return progress.epoch_metrics()
 
 
 @torch.inference_mode()
-def evaluate(model, loader, accelerator, cfg, flips, panels=False, ema=None):
-    """Mean Dice over the validation images, each counted once on any number of processes: a
-    prepared loader pads the last batch and gather_for_metrics drops the padding. A bucketed one
-    pads nothing, so ranks may get different numbers of batches: nothing may wait on other ranks
-    per batch (the unwrapped model, as DDP syncs buffers in forward), and one reduce ends the
-    loop. `panels`: image | prediction | truth of a few images too. `flips`: those to average
-    over (flips_to_average). With ema (ema_decay), the moving average's results too: ema_dice..."""
+def evaluate(model, loader, accelerator, cfg, *, flips, weights, panels=False, ema=None):
+    """Over the validation images, each counted once on any number of processes: the mean Dice
+    per image (dice_counts), and from the confusion matrix of every pixel, the IoU and Dice of
+    each class and their mean over the classes, miou. A prepared loader pads the last batch and
+    gather_for_metrics drops the padding. A bucketed one pads nothing, so ranks may get
+    different numbers of batches: nothing may wait on other ranks per batch (the unwrapped model,
+    as DDP syncs buffers in forward), and one reduce ends the loop. `panels`: image | prediction
+    | truth of a few images too. `flips`: those to average over (flips_to_average). weights: the
+    loss's class weights. With ema (ema_decay), the moving average's results too: ema_miou..."""
     bucketed = cfg.bucket_by_size
     # keep_torch_compile=False: the default takes DDP out of a compiled model (Accelerate 1.15).
     net = accelerator.unwrap_model(model, keep_torch_compile=False) if bucketed else model
@@ -369,55 +532,81 @@ def evaluate(model, loader, accelerator, cfg, flips, panels=False, ema=None):
     if bucketed:  # as DDP's forward would: every rank uses rank 0's BatchNorm statistics
         broadcast(list(net.buffers()))
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # dice, loss, images
+    confusion = 0
     panel = None
     for x, y in loader:
         x_in = prepare_input(x, cfg)
         logits = segment(net, x_in, tile=cfg.predict_tile, flips=flips, multiple=PAD_MULTIPLE)
         if panels and panel is None:
             panel = image_panel(x, logits, y, cfg.num_classes)
+        loss = loss_per_image(
+            logits, y, num_classes=cfg.num_classes, weights=weights, focal_gamma=cfg.focal_gamma
+        )
         counts = (
             *dice_counts(logits, y, cfg.num_classes),
-            loss_per_image(logits, y, cfg.num_classes),
+            loss,
+            confusion_counts(logits, y, cfg.num_classes),  # per image: exact after the gather
         )
-        inter, total, loss = counts if bucketed else accelerator.gather_for_metrics(counts)
+        inter, total, loss, matrices = (
+            counts if bucketed else accelerator.gather_for_metrics(counts)
+        )
         dice = torch.where(total == 0, 1.0, 2 * inter / total.clamp(min=1))
         totals[0] += dice.double().mean(1).sum()
         totals[1] += loss.double().sum()
         totals[2] += len(loss)
+        confusion = confusion + matrices.sum(0)
     if bucketed:
         totals = accelerator.reduce(totals, "sum")
+        confusion = accelerator.reduce(confusion, "sum")
     dice_sum, loss_sum, images = totals.tolist()
+    iou, class_dice = class_scores(confusion, value_count(cfg.num_classes))
     result = {
         "dice": dice_sum / images,
+        "miou": sum(v for v in iou if v is not None) / max(sum(v is not None for v in iou), 1),
         "eval_loss": loss_sum / images,
         "eval_samples": int(images),
+        "eval_pixels": int(confusion.sum()),  # those not ignored, each counted once
+        "iou_per_class": iou,
+        "dice_per_class": class_dice,
     }
     if ema is not None:
-        averaged, _ = evaluate(ema.synced(accelerator), loader, accelerator, cfg, flips)
+        averaged, _ = evaluate(
+            ema.synced(accelerator), loader, accelerator, cfg, flips=flips, weights=weights
+        )
         result.update({f"ema_{k}": v for k, v in averaged.items()})
     return result, panel
 
 
 def predict(cfg, accelerator):
     """A mask PNG per image of the --predict glob, at the image's size, in the training masks'
-    values (unet_predict.py); --overlay also paints the classes on the image. Each process
-    does a share."""
+    values or colours (unet_predict.py); --overlay also paints the classes on the image. Each
+    process does a share."""
     model, record = trained_model(cfg.weights, accelerator.device)
+    cfg = replace(cfg, **record["model"])  # the model's settings: prepare_input as in training
     flips = flips_to_average(cfg, record["flips"])
     out = Path(cfg.predict_dir or Path(cfg.output_dir) / "predictions")
     out.mkdir(parents=True, exist_ok=True)
     files = predict_files(cfg.predict)
     batches = predict_batches(
-        files, record, cfg.eval_batch_size, accelerator, multiple=PAD_MULTIPLE
+        files,
+        record,
+        batch_size=cfg.eval_batch_size,
+        accelerator=accelerator,
+        multiple=PAD_MULTIPLE,
     )
-    for paths, images, x in batches:
+    for paths, images, x, sizes in batches:
         with torch.inference_mode(), accelerator.autocast():
             x_in = prepare_input(x, cfg)
             logits = segment(model, x_in, tile=cfg.predict_tile, flips=flips, multiple=PAD_MULTIPLE)
-        write_masks(paths, images, logits, record, out, overlay=cfg.overlay)
+        write_masks(paths, images, logits, record, out, sizes=sizes, overlay=cfg.overlay)
     accelerator.wait_for_everyone()
-    values = ",".join(map(str, record["mask_values"]))
+    values = ",".join(show_value(v, record["colour_masks"]) for v in record["mask_values"])
     accelerator.print(f"wrote {len(files)} masks (values {values}) to {out}/")
+
+
+def scalars(result):
+    """The numbers of an evaluation result for a tracker: the per-class lists stay out."""
+    return {k: v for k, v in result.items() if not isinstance(v, list)}
 
 
 def main(cfg):
@@ -431,6 +620,7 @@ def main(cfg):
         return close(accelerator)
     if cfg.export:  # common/export.py, checked on validation images, else on random pixels
         model, record = trained_model(cfg.weights)
+        cfg = replace(cfg, **record["model"])  # the model's settings: prepare_input as in training
         images, what = sample_images(cfg, record, multiple=PAD_MULTIPLE)
         export_onnx(
             accelerator,
@@ -464,12 +654,16 @@ def main(cfg):
         cache_images=data.cached,
         channels_last=accelerator.device.type == "cuda" if auto else cfg.channels_last,
     )
+    weights = class_weights(cfg, data.class_pixels)  # None unless class_weights is set
+    weights = None if weights is None else weights.to(accelerator.device)
     train_loader, val_loader = data.train_loader, data.val_loader
     metrics = start_logging(accelerator, cfg, NAME)
 
     # 3. Model, optimizer and schedule.
     settings = {k: getattr(cfg, k) for k in MODEL_SETTINGS}
-    model = build_model(settings)
+    model = build_model(settings, grad_checkpointing=cfg.grad_checkpointing)
+    if cfg.encoder_weights and not cfg.weights:  # a pretrained encoder, under a new decoder
+        load_encoder_weights(model, cfg.encoder_weights)
     load_weights(model, cfg.weights)  # --weights, if given
     model, norm = sync_batchnorm(model, accelerator, cfg.sync_bn)
     channels = f"channels_last {'on' if cfg.channels_last else 'off'}{' (auto)' * auto}"
@@ -489,13 +683,18 @@ def main(cfg):
         else ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5)
     )
     adamw = f"{'fused ' * bool(optimizer.defaults['fused'])}AdamW lr {optimizer.defaults['lr']:g}"
+    encoder = f"{cfg.encoder} encoder; " if cfg.encoder else ""
     accelerator.print(
-        f"{NAME}: {describe(accelerator, data.batch)}; {MODES[cfg.in_channels]} images; {adamw}; "
-        f"{norm}; {channels}; {data}; outputs to {out}/"
+        f"{NAME}: {describe(accelerator, data.batch)}; {MODES[cfg.in_channels]} images; "
+        f"{encoder}{adamw}; {norm}; {channels}; {data}; outputs to {out}/"
     )
+    for note in [*data.notes, imbalance_note(cfg, data)]:  # what the data suggests to set
+        if note:
+            accelerator.print(note)
 
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
-    progress = Progress(accelerator, cfg, metric="ema_dice" if ema else "dice")  # best: EMA's too
+    best = f"ema_{cfg.best_metric}" if ema else cfg.best_metric  # best.safetensors follows it
+    progress = Progress(accelerator, cfg, metric=best)
     if checkpoint:  # eval_only reads any checkpoint; training on needs the same data order
         resume_training(
             accelerator,
@@ -505,18 +704,22 @@ def main(cfg):
             scheduler=scheduler,
             recipe=NAME,
             data_order=DATA_ORDER,
-            mask_values=data.values,
+            **same_classes(data.classes),
         )
     # common/schedule.py: the LR schedule ends where the run ends, also after a resume.
     fit_schedule(
         scheduler, cfg, progress, batches_per_epoch=len(train_loader), checkpoint=checkpoint
     )
-    record = {
+    record = {  # what predict needs (trained_model)
         "model": settings,
         "mask_values": data.values,
+        "ignored": list(data.classes.ignored),
+        "ignore_unlisted": data.classes.unlisted_ignored,
+        "colour_masks": data.classes.colour,
         "input_size": data.input_size,
+        "scale": cfg.scale,
         "flips": trained_flips,
-    }  # what predict needs (trained_model)
+    }
     stored = record_metadata(RECORD, record, recipe=NAME)
 
     # 5. Train, evaluating after every epoch.
@@ -527,40 +730,58 @@ def main(cfg):
         train_loader.dataset.epoch = epoch  # new augmentations every epoch
         loader = progress.rest_of_epoch(train_loader)  # set_epoch; a resumed epoch skips its start
         train = train_one_epoch(
-            model, loader, optimizer, scheduler, accelerator, cfg, progress, ema, data.values
+            model,
+            loader,
+            optimizer,
+            scheduler=scheduler,
+            accelerator=accelerator,
+            cfg=cfg,
+            progress=progress,
+            ema=ema,
+            classes=data.classes,
+            weights=weights,
         )
         if progress.interrupted:
             break
         result, panel = evaluate(
-            model, val_loader, accelerator, cfg, flips, panels=cfg.log_with != "none", ema=ema
+            model,
+            val_loader,
+            accelerator,
+            cfg,
+            flips=flips,
+            weights=weights,
+            panels=cfg.log_with != "none",
+            ema=ema,
         )
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             if cfg.scheduler == "plateau":
-                scheduler.step(result["dice"])
+                scheduler.step(result[cfg.best_metric])
             if progress.improved(result):  # also counts evaluations for early stopping
                 save_weights(
                     accelerator,
                     ema.module if ema else model,
                     out / "best.safetensors",
-                    metadata={**stored, "epoch": epoch, **result},
+                    metadata={**stored, "epoch": epoch, **scalars(result)},
                 )
-            save(accelerator, cfg, progress, scheduler, data.values)
+            save(accelerator, cfg, progress=progress, scheduler=scheduler, classes=data.classes)
         metrics.write(epoch=epoch, step=progress.step, lr=lr, **train, **result)
-        accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=progress.step)
+        accelerator.log({f"eval/{k}": v for k, v in scalars(result).items()}, step=progress.step)
         for tracker_ in accelerator.trackers if panel is not None else []:  # main process only
             tracker_.log_images({"eval/image_prediction_truth": panel.cpu()}, step=progress.step)
         accelerator.print(
-            f"epoch {epoch}: train loss {train['train_loss']:.4f}, dice "
-            f"{result['dice']:.4f} ({result['eval_samples']} images), "
+            f"epoch {epoch}: train loss {train['train_loss']:.4f}, dice {result['dice']:.4f}, "
+            f"miou {result['miou']:.4f} ({result['eval_samples']} images), "
             f"{train['train_samples_per_s']:.0f} images/s"
         )
 
-    # 6. Finish: the final weights and Dice, or where to resume an interrupted run.
+    # 6. Finish: the final weights and metrics, or where to resume an interrupted run.
     if progress.why_stopped:  # Ctrl-C or SIGTERM (then nothing more), or early stopping
         accelerator.print(progress.why_stopped)
     if not progress.interrupted:
         if result is None:  # eval_only, or a resumed run that had nothing left to train
-            result, _ = evaluate(model, val_loader, accelerator, cfg, flips, ema=ema)
+            result, _ = evaluate(
+                model, val_loader, accelerator, cfg, flips=flips, weights=weights, ema=ema
+            )
             metrics.write(
                 epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
             )
@@ -571,8 +792,8 @@ def main(cfg):
                     accelerator, ema.module, out / "model_ema.safetensors", metadata=stored
                 )
         accelerator.print(
-            f"dice {result['dice']:.4f} on {result['eval_samples']} validation "
-            f"images; outputs in {out}/"
+            f"dice {result['dice']:.4f}, miou {result['miou']:.4f} on {result['eval_samples']} "
+            f"validation images; outputs in {out}/"
         )
 
     # 7. Exit cleanly: drop what holds the process group, then close it.

@@ -1,8 +1,8 @@
 """ADAPT: the U-Net recipe's data, the part a copy changes for its own layout and masks:
 
     list_pairs(cfg)          which (image, mask) pairs make the training and validation splits
-    read_pair(image, mask)   one pair as a PIL image and an integer array of mask values
-    mask_values(cfg, ...)    which mask value is which class
+    read_pair(image, mask)   one pair as a PIL image and an array of mask values or colours
+    mask_classes(cfg, ...)   which mask value is which class, and which count for nothing
 
 Everything behind them, the same for any data, is common/segmentation_data.py: the mask scan
 across processes, class and size checks, decoding (cached), per-sample seeded augmentation,
@@ -24,6 +24,7 @@ from common.data import (
     open_image,
     unreadable_image,
 )
+from common.segmentation_data import MaskClasses
 
 SHAPES = "data/shapes"  # the default data, made by `make data/shapes` (scripts/make_shapes.py)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp"}
@@ -95,10 +96,11 @@ def folder_pairs(root):
 
 
 # ADAPT: reading one pair. The image's pixels are decoded later, in the mode of the model's input
-# channels; the mask's values are what mask_values() lists: grey levels or palette indices.
+# channels; the mask's values are what mask_classes() lists: grey levels, palette indices or label
+# ids, or for an RGB mask (CamVid's), one colour per class.
 def read_pair(image, mask, name):
-    """A PIL image and its mask as an integer array [H, W] of pixel values. A file PIL cannot
-    read stops with a DataError naming it."""
+    """A PIL image and its mask as an array: [H, W] of integer values, or [H, W, 3] of colours
+    for a mask in colour. A file PIL cannot read stops with a DataError naming it."""
     image, mask = (
         open_image(p, kind) if isinstance(p, Path) else p
         for p, kind in ((image, "image"), (mask, "mask"))
@@ -108,42 +110,59 @@ def read_pair(image, mask, name):
             f"{name}: the mask is a {type(mask).__name__}, not an image: check mask_column"
         )
     try:
-        values = np.asarray(mask.convert("L") if mask.mode == "1" else mask)
+        if mask.mode in ("1", "LA"):
+            mask = mask.convert("L")
+        elif mask.mode in ("RGBA", "CMYK", "YCbCr"):
+            mask = mask.convert("RGB")
+        values = np.asarray(mask)
     except IMAGE_ERRORS as e:  # a truncated or broken mask file
         raise unreadable_image(name, e, "mask") from None
-    if values.ndim == 3:  # a grey mask saved as RGB(A): keep one channel if the others agree
-        if not (values[..., :3] == values[..., :1]).all():
-            raise DataError(
-                f"mask {name} is in colour: save one grey level or palette index per class"
-            )
-        values = values[..., 0]
-    if image.size != values.shape[::-1]:
+    if values.dtype.kind not in "iu":
+        raise DataError(
+            f"mask {name} holds {values.dtype} values ({mask.mode}): save one integer value per "
+            f"class"
+        )
+    if image.size != values.shape[1::-1]:
         raise DataError(
             f"mask {name} is {values.shape[1]}x{values.shape[0]}, its image "
             f"{image.width}x{image.height}"
         )
-    return image, values.astype(np.int64)
+    return image, values
 
 
-# ADAPT: which mask value is which class: class i is mask value values[i]. None: one class per
-# value found in the masks, in order (common/segmentation_data.py checks them either way).
-def mask_values(cfg, stored=None):
-    """--mask_values, else those of the --weights file (`stored`), else None."""
-    if cfg.mask_values:
-        return parse_values(cfg.mask_values, "--mask_values")
-    return stored
+# ADAPT: which mask value is which class: class i is mask value values[i], and the pixels of the
+# ignored values count for nothing. values None: one class per value found in the masks, in
+# order (common/segmentation_data.py checks them either way). A preset for a dataset's labels,
+# such as Cityscapes' ids, is a --config file: recipes/configs/cityscapes.yaml.
+def mask_classes(cfg, stored=None):
+    """--mask_values, --ignore_index and --ignore_unlisted, each else as the --weights file's
+    record (`stored`) has it."""
+    stored = stored or {"mask_values": None, "ignored": [], "ignore_unlisted": False}
+    values = parse_values(cfg.mask_values, "--mask_values") if cfg.mask_values else None
+    ignored = parse_values(cfg.ignore_index, "--ignore_index") if cfg.ignore_index else None
+    return MaskClasses(
+        values=values or stored["mask_values"],
+        ignored=tuple(stored["ignored"] if ignored is None else ignored),
+        unlisted_ignored=cfg.ignore_unlisted or stored["ignore_unlisted"],
+    )
 
 
 def parse_values(text, where):
-    """'0,85,170' -> [0, 85, 170]: distinct non-negative integers, or a ConfigError."""
+    """'0,85,170' -> [0, 85, 170], and colours '#800000' -> 0x800000: distinct non-negative
+    integers, or a ConfigError."""
+
+    def value(v):
+        v = v.strip()
+        return int(v[1:], 16) if v.startswith("#") and len(v) == 7 else int(v)
+
     try:
-        values = [int(v) for v in text.split(",")]
+        values = [value(v) for v in str(text).split(",")]
     except ValueError:
         values = []
     require(
         values and min(values) >= 0 and len(set(values)) == len(values),
-        f"{where} must be distinct non-negative integers separated by commas, like 0,255; "
-        f"got {text!r}",
+        f"{where} must be distinct non-negative integers or #rrggbb colours separated by commas, "
+        f"like 0,255; got {text!r}",
     )
     return values
 

@@ -177,6 +177,28 @@ class ResNetUNet(nn.Module):
         return self.head(x)[:, :, :h, :w]  # logits [N, num_classes, H, W]
 
 
+def build_unet(
+    *, num_classes, in_channels, encoder, base_channels, bilinear, grad_checkpointing=False
+):
+    """The classic UNet, or with `encoder` (one of ENCODERS) a ResNetUNet, whose decoder always
+    interpolates (bilinear is for the classic one)."""
+    if encoder:
+        return ResNetUNet(
+            num_classes,
+            base_channels=base_channels,
+            in_channels=in_channels,
+            encoder=encoder,
+            grad_checkpointing=grad_checkpointing,
+        )
+    return UNet(
+        num_classes,
+        base_channels=base_channels,
+        bilinear=bilinear,
+        in_channels=in_channels,
+        grad_checkpointing=grad_checkpointing,
+    )
+
+
 def load_encoder_weights(model, source):
     """Set a ResNetUNet's encoder to torchvision weights: source is the path of a checkpoint file
     as torchvision downloads it (the state_dict of torchvision.models.resnet34(), say), or the

@@ -1,9 +1,9 @@
 """The U-Net recipe's predict and export inputs: new images as model inputs, and the masks
-written back, in the training masks' values, at each image's own size.
+written back, in the training masks' values or colours, at each image's own size.
 
     files = predict_files(cfg.predict)
-    for paths, images, x in predict_batches(files, record, batch_size, accelerator, multiple=16):
-        write_masks(paths, images, logits, record, out, overlay=False)
+    for paths, images, x, sizes in predict_batches(files, record, batch_size=8, ...):
+        write_masks(paths, images, logits, record, out, sizes=sizes, overlay=False)
     images, what = sample_images(cfg, record)   # inputs that check an export
 """
 
@@ -17,7 +17,7 @@ from PIL import Image
 
 from common.data import DataError, pad_to
 from common.inference import predicted_classes
-from common.segmentation_data import MODES, decode_pair, padded
+from common.segmentation_data import MODES, padded
 from common.tracking import paint
 from unet_data import IMAGE_SUFFIXES, SHAPES, Pairs, list_pairs
 
@@ -39,41 +39,52 @@ def predict_files(pattern):
     return files
 
 
-def predict_batches(files, record, batch_size, accelerator, *, multiple):
-    """(paths, PIL images, uint8 batch [N, C, H, W] on the device) of this process's share of
-    the image `files`. The model sees them as in training: in its channels, resized to the
-    record's input_size, or at their own size (bucket_by_size), padded to `multiple` as a
-    training batch is, one at a time."""
+def model_size(record, height, width):
+    """The (height, width) at which the model sees an image of that size: the record's
+    input_size, or the image's own size times the record's scale, or its own size."""
+    if record["scale"]:
+        return max(int(height * record["scale"]), 1), max(int(width * record["scale"]), 1)
+    return tuple(record["input_size"] or (height, width))
+
+
+def predict_batches(files, record, *, batch_size, accelerator, multiple):
+    """(paths, PIL images, uint8 batch [N, C, H, W] on the device, the (height, width) of each
+    image in the batch before padding) of this process's share of the image `files`. The model
+    sees them as in training: in its channels, resized to the record's input_size (in batches),
+    or to their own size times its scale, or at their own size (bucket_by_size, scale), padded to
+    `multiple` as a training batch is, one at a time."""
     from torchvision.transforms.v2.functional import pil_to_tensor, resize  # see decode_pair
 
-    native = record["input_size"] is None
-    batch_size = 1 if native else batch_size
+    one_size = record["input_size"] is not None and not record["scale"]
+    batch_size = batch_size if one_size else 1
     with accelerator.split_between_processes(files) as mine:
         for start in range(0, len(mine), batch_size):
             paths = mine[start : start + batch_size]
             images = [Image.open(p).convert(MODES[record["model"]["in_channels"]]) for p in paths]
-            if native:
-                height, width = (
-                    padded(images[0].height, multiple),
-                    padded(images[0].width, multiple),
-                )
-                x = pad_to(pil_to_tensor(images[0]), height, width, 0)[None]
-            else:
-                size = record["input_size"]
-                x = torch.stack([resize(pil_to_tensor(im), size, antialias=True) for im in images])
-            yield paths, images, x.to(accelerator.device)
+            sizes = [model_size(record, im.height, im.width) for im in images]
+            x = [
+                resize(pil_to_tensor(im), list(size), antialias=True)
+                for im, size in zip(images, sizes)
+            ]
+            if not one_size:
+                height, width = (padded(n, multiple) for n in sizes[0])
+                x = [pad_to(x[0], height, width, 0)]
+            yield paths, images, torch.stack(x).to(accelerator.device), sizes
 
 
-def write_masks(paths, images, logits, record, out, *, overlay):
-    """NAME_mask.png for each image, at its own size, in the training masks' values; with
-    `overlay`, NAME_overlay.png too: the image with the classes painted on."""
+def write_masks(paths, images, logits, record, out, *, sizes, overlay):
+    """NAME_mask.png for each image, at its own size, in the training masks' values (or colours,
+    as an RGB PNG); with `overlay`, NAME_overlay.png too: the image with the classes painted on.
+    sizes: each image's (height, width) in the batch, before padding."""
     values, num_classes = record["mask_values"], record["model"]["num_classes"]
-    lut = np.array(values, np.uint8 if max(values) < 256 else np.uint16)  # class -> mask value
-    for path, image, lg in zip(paths, images, logits):
-        if record["input_size"] is None:  # padded: cut the padding off
-            lg = lg[:, : image.height, : image.width].float()
-        else:
-            lg = F.interpolate(lg[None].float(), (image.height, image.width), mode="bilinear")[0]
+    if record["colour_masks"]:  # class -> (r, g, b)
+        lut = np.array([[(v >> 16) & 255, (v >> 8) & 255, v & 255] for v in values], np.uint8)
+    else:  # class -> mask value
+        lut = np.array(values, np.uint8 if max(values) < 256 else np.uint16)
+    for path, image, lg, (height, width) in zip(paths, images, logits, sizes):
+        lg = lg[:, :height, :width].float()  # the padding cut off
+        if (height, width) != (image.height, image.width):
+            lg = F.interpolate(lg[None], (image.height, image.width), mode="bilinear")[0]
         classes = predicted_classes(lg[None], num_classes)[0].cpu()
         Image.fromarray(lut[classes.numpy()]).save(out / f"{Path(path).stem}_mask.png")
         if overlay:
@@ -86,11 +97,11 @@ def write_masks(paths, images, logits, record, out, *, overlay):
 def sample_images(cfg, record, *, multiple, count=4):
     """([images, image], what they are): inputs to check an export on. Up to `count` validation
     images as the data gives them (uint8 [N, C, H, W]), at the size the model was trained on
-    (input_size, or the first one's own size padded), and the first one again at another size
-    (16 and 32 pixels more). With no data (the default dataset, not made), random pixels of that
-    size, or EXPORT_SIZE for a model trained at its images' own sizes: its weights came from
-    data that need not be here."""
-    from torchvision.transforms.v2.functional import resize  # see decode_pair
+    (model_size() of the first one, padded), and the first one again at another size (16 and 32
+    pixels more). With no data (the default dataset, not made), random pixels of that size, or
+    EXPORT_SIZE for a model trained at its images' own sizes: its weights came from data that
+    need not be here."""
+    from torchvision.transforms.v2.functional import pil_to_tensor, resize  # see decode_pair
 
     in_channels = record["model"]["in_channels"]
     if cfg.dataset == SHAPES and not Path(SHAPES).exists():
@@ -100,13 +111,11 @@ def sample_images(cfg, record, *, multiple, count=4):
         x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=seeded)
         return [x[..., :h, :w], x[:1]], f"random pixels: no --dataset, {SHAPES} is not made"
     val_pairs = Pairs(list_pairs(cfg)[1])
-    mode, values = MODES[in_channels], record["mask_values"]
-    images = [decode_pair(val_pairs, i, values, mode)[0] for i in range(min(count, len(val_pairs)))]
-    first = images[0]
-    h, w = record["input_size"] or (
-        padded(first.shape[1], multiple),
-        padded(first.shape[2], multiple),
-    )
+    images = [
+        pil_to_tensor(val_pairs[i][0].convert(MODES[in_channels]))
+        for i in range(min(count, len(val_pairs)))
+    ]
+    h, w = (padded(n, multiple) for n in model_size(record, *images[0].shape[1:]))
     return [
         torch.stack([resize(im, [h, w], antialias=True) for im in images]),
         resize(images[0], [h + 16, w + 32], antialias=True)[None],

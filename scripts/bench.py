@@ -435,7 +435,7 @@ def main():
         help="U-Net: also measure the recipe with channels_last, or compiled (see above)",
     )
     p.add_argument(
-        "--image_size", type=int, help="U-Net: the recipe's image_size (default: the recipe's)"
+        "--image_size", help="U-Net: the recipe's image_size, SIZE or HxW (default: the recipe's)"
     )
     p.add_argument(
         "--batch_size", type=int, help="U-Net: the recipe's batch_size (default: the recipe's)"

@@ -4,9 +4,13 @@
     python scripts/make_shapes.py --out /tmp/shapes --count 40 --size 48
     python scripts/make_shapes.py --out data/shapes_mixed \
         --sizes 48,64,96                          # mixed sizes, for bucket_by_size
+    python scripts/make_shapes.py --out /tmp/carvana --count 40 --size 1918x1280 \
+        --image_format jpg --mask_format gif      # Carvana's sizes and file types
 
 The layout is the Carvana one that the recipe reads, so the demo and the tests use the real
-loading path: imgs/shape_0000.png (RGB) and masks/shape_0000_mask.png (8-bit greyscale).
+loading path: imgs/shape_0000.png (RGB) and masks/shape_0000_mask.png (8-bit greyscale), or with
+--image_format jpg and --mask_format gif, imgs/shape_0000.jpg and masks/shape_0000_mask.gif (a
+palette of greys, so that the values read back as they are), as Carvana's files are.
 Mask values are grey levels, so a mask can be looked at and the recipe's value -> class
 mapping is exercised:
 
@@ -55,10 +59,14 @@ def shape_pixels(kind, height, width, rng):
 
 
 def make_pair(i, sizes, seed):
-    """Image i: (uint8 RGB [H, W, 3], uint8 mask [H, W]), H and W each drawn from `sizes`."""
-    height, width = (
-        np.random.default_rng((seed, i, 1)).choice(sizes, 2) if len(sizes) > 1 else (sizes[0],) * 2
-    )
+    """Image i: (uint8 RGB [H, W, 3], uint8 mask [H, W]), H and W each drawn from `sizes`, or the
+    (width, height) of `sizes` when it is a tuple."""
+    if isinstance(sizes, tuple):
+        width, height = sizes
+    elif len(sizes) > 1:
+        height, width = np.random.default_rng((seed, i, 1)).choice(sizes, 2)
+    else:
+        height = width = sizes[0]
     rng = np.random.default_rng((seed, i))
     image = rng.uniform(40, 215) + rng.uniform(-15, 15, 3) + rng.normal(0, 18, (height, width, 3))
     mask = np.zeros((height, width), np.uint8)
@@ -76,22 +84,42 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="data/shapes", help="folder to write imgs/ and masks/ into")
     p.add_argument("--count", type=int, default=200, help="number of images")
-    p.add_argument("--size", type=int, default=64, help="height and width in pixels")
+    p.add_argument(
+        "--size", default="64", help="height and width in pixels, or WxH (width x height)"
+    )
     p.add_argument(
         "--sizes", help="comma-separated sizes: each image's height and width are drawn from them"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--image_format", choices=["png", "jpg"], default="png")
+    p.add_argument("--mask_format", choices=["png", "gif"], default="png")
     args = p.parse_args()
-    sizes = [int(v) for v in args.sizes.split(",")] if args.sizes else [args.size]
+    if args.sizes:
+        sizes = [int(v) for v in args.sizes.split(",")]
+    elif "x" in args.size:
+        sizes = tuple(int(v) for v in args.size.split("x"))
+    else:
+        sizes = [int(args.size)]
 
     out = Path(args.out)
     (out / "imgs").mkdir(parents=True, exist_ok=True)
     (out / "masks").mkdir(parents=True, exist_ok=True)
+    greys = [v for level in range(256) for v in (level, level, level)]
     for i in range(args.count):
         image, mask = make_pair(i, sizes, args.seed)
-        Image.fromarray(image).save(out / "imgs" / f"shape_{i:04d}.png")
-        Image.fromarray(mask).save(out / "masks" / f"shape_{i:04d}_mask.png")
-    shape = f"{sizes[0]}x{sizes[0]}" if len(sizes) == 1 else f"heights and widths from {args.sizes}"
+        Image.fromarray(image).save(out / "imgs" / f"shape_{i:04d}.{args.image_format}")
+        mask = Image.fromarray(mask)
+        if args.mask_format == "gif":  # a palette of greys: index v is grey level v
+            mask = Image.frombytes("P", mask.size, mask.tobytes())
+            mask.putpalette(greys)
+        # optimize=False: GIF would otherwise renumber the palette, each mask its own way.
+        mask.save(out / "masks" / f"shape_{i:04d}_mask.{args.mask_format}", optimize=False)
+    if isinstance(sizes, tuple):
+        shape = f"{sizes[0]}x{sizes[1]}"
+    elif len(sizes) == 1:
+        shape = f"{sizes[0]}x{sizes[0]}"
+    else:
+        shape = f"heights and widths from {args.sizes}"
     print(f"wrote {args.count} images of {shape} and their masks to {out}/")
 
 

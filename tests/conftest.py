@@ -330,6 +330,39 @@ N_MIXED, MIXED_SIZES = 40, "40,64,96"  # make_shapes.py --sizes: each height and
 N_MIXED_VAL = int(N_MIXED * VAL_FRACTION)
 
 
+def relabelled(shapes, root, change, count=None, suffix=".png"):
+    """A copy of the first `count` shapes whose masks are change(values, i): an array of values,
+    or a PIL image, saved as NAME_mask + suffix."""
+    from PIL import Image
+
+    (root / "imgs").mkdir(parents=True)
+    (root / "masks").mkdir()
+    for i, path in enumerate(sorted((shapes / "imgs").glob("*.png"))[:count]):
+        Image.open(path).save(root / "imgs" / path.name)
+        values = np.asarray(Image.open(shapes / "masks" / f"{path.stem}_mask.png"))
+        mask = change(values, i)
+        mask = mask if isinstance(mask, Image.Image) else Image.fromarray(mask)
+        mask.save(root / "masks" / f"{path.stem}_mask{suffix}")
+    return root
+
+
+def classes(values):
+    """make_shapes.py's grey levels as class indices 0..3."""
+    return (values // 85).astype(np.uint8)
+
+
+def with_void(values, i):
+    """VOC's way: class indices, with 255 on a band along every object's edge."""
+    out = classes(values)
+    edge = np.zeros(values.shape, bool)
+    edge[:-1] |= values[:-1] != values[1:]
+    edge[:, :-1] |= values[:, :-1] != values[:, 1:]
+    for axis in (0, 1):  # 3 pixels wide, so that it has an inside, as VOC's bands do
+        edge |= np.roll(edge, 1, axis) | np.roll(edge, -1, axis)
+    out[edge] = 255
+    return out
+
+
 @pytest.fixture(scope="session")
 def shapes(tmp_path_factory):
     """The U-Net's data, made once a session: N_IMAGES shapes of SIZE x SIZE with exact masks.

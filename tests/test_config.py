@@ -339,7 +339,7 @@ def test_help_lists_every_setting_and_exits_0_without_importing_torchvision():
     for line in (
         "--max_steps INT (default: 0)  stop after this many optimizer steps",  # RunConfig
         "--num_classes INT (default: 0)  with background; 0: one per mask value",
-        "--base_channels INT (default: 64)  width of the first level",  # the recipe's own
+        "--base_channels INT (default: 64)  first level's width",  # the recipe's own
         "--log_every INT (default: 20)",
     ):  # redeclared in the recipe
         assert line in text, res

@@ -348,9 +348,18 @@ def test_the_unet_decoding_key_reaches_the_data_surface_a_copy_edits(shapes, mon
 
     monkeypatch.setattr(segmentation_data, "cached_tensors", spy)
     pairs = Pairs(folder_pairs(shapes)[:2])
+    classes = segmentation_data.MaskClasses((0, 85, 170, 255))
     segmentation_data.decoded(
-        pairs, [0, 85, 170, 255], "RGB", (48, 48), threads=1, device="cpu", cache_decoded=True
+        pairs,
+        classes,
+        "RGB",
+        [(48, 48)] * len(pairs),
+        fixed=True,
+        threads=1,
+        device="cpu",
+        cache_decoded=True,
     )
     reached = {obj.__qualname__ for obj in code_reached(passed["code"])}
-    assert {"Pairs.__getitem__", "read_pair", "open_image", "decode_pair"} <= reached, reached
+    expected = {"Pairs.__getitem__", "read_pair", "open_image", "decode_pair", "MaskClasses"}
+    assert expected | {"mask_codes", "nearest"} <= reached, reached
     assert passed["key"][1] == pairs.identity()  # the files' paths, sizes and times of change

@@ -79,10 +79,13 @@ def test_a_unet_copy_with_its_own_model_trains_on_1_and_2_processes_and_predicts
     marker = "# ADAPT: your model: the Config fields that build it"
     source = original.replace(marker, TINY_SEGMENTER + marker)
     source = source.replace(
-        'MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels", "bilinear")',
+        'MODEL_SETTINGS = ("in_channels", "num_classes", "encoder", "base_channels", "bilinear")',
         'MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels")',
     )
-    source = source.replace("    return UNet(**settings)", "    return TinySegmenter(**settings)")
+    source = source.replace(
+        "    return build_unet(**settings, grad_checkpointing=grad_checkpointing)",
+        "    return TinySegmenter(**settings)",
+    )
     assert changed_lines(original, source) == UNET_CHANGED_LINES
     copy = REPO / "recipes" / f"my_segmenter_{tmp_path.name[-8:]}.py"
     copy.write_text(source)
@@ -120,11 +123,12 @@ def test_a_unet_copy_with_its_own_model_trains_on_1_and_2_processes_and_predicts
     assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= VALUES
 
 
-GREY_LOSS = """def loss_per_image(logits, target, num_classes):  # cross-entropy, padding left out
-    ce = F.cross_entropy(logits.float(), target, ignore_index=IGNORE, reduction="none")
+GREY_LOSS = """def loss_per_image(logits, target, *, num_classes, weights=None, focal_gamma=0.0):
+    # Cross-entropy alone, class weights as given, ignored pixels left out; no focal term.
+    ce = F.cross_entropy(logits.float(), target, weights, ignore_index=IGNORE, reduction="none")
     return ce.sum((1, 2)) / (target != IGNORE).sum((1, 2)).clamp(min=1)
 """
-GREY_CHANGED_LINES = 16  # the in_channels default and the 15 lines of the recipe's loss
+GREY_CHANGED_LINES = 22  # the in_channels default and the 21 lines of the recipe's loss
 
 
 @pytest.mark.slow

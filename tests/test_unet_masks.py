@@ -428,7 +428,7 @@ def test_padding_changes_neither_the_loss_nor_the_dice_counts(unet, num_classes)
     padded_logits = 10 * torch.randn(2, num_classes, 48, 32)  # whatever it says about the padding
     padded_logits[0, :, :20, :24] = logits[0]
     loss, padded_loss = (
-        unet.loss_per_image(lg, t, num_classes)[0]
+        unet.loss_per_image(lg, t, num_classes=num_classes)[0]
         for lg, t in ((logits, target), (padded_logits, y))
     )
     assert padded_loss.item() == pytest.approx(loss.item(), rel=1e-5)

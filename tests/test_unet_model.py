@@ -12,17 +12,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from conftest import REPO
+from conftest import FAST, ONE_THREAD, REPO, assert_ok, launch
 from torch import nn
 
 from common.config import UserError
 from unet_model import ResNetUNet, UNet, load_encoder_weights
 
+RECIPE = "recipes/unet.py"
 sys.path.append(str(REPO / "scripts"))  # after everything else: it shadows nothing
 from activation_memory import saved_activation_bytes  # noqa: E402
 
 MODELS = {
-    "unet": lambda: UNet(3, base_channels=4),
+    "unet": lambda: UNet(3, base_channels=4),  # the fast tier's; the others are slow
     "unet-sync-bn": lambda: nn.SyncBatchNorm.convert_sync_batchnorm(UNet(3, base_channels=4)),
     "resnet-unet": lambda: ResNetUNet(3, base_channels=4, encoder="resnet18"),
 }
@@ -42,7 +43,12 @@ def batchnorms(model):
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-@pytest.mark.parametrize("name", MODELS)
+def tiered(names):
+    """The first in the fast tier, the others in the slow one."""
+    return [pytest.param(n, marks=[pytest.mark.slow] if i else []) for i, n in enumerate(names)]
+
+
+@pytest.mark.parametrize("name", tiered(MODELS))
 def test_grad_checkpointing_trains_the_same_weights_and_batchnorm_statistics(name):
     torch.manual_seed(0)
     plain = MODELS[name]().train()
@@ -67,7 +73,7 @@ def test_grad_checkpointing_trains_the_same_weights_and_batchnorm_statistics(nam
         torch.testing.assert_close(ckpt_state[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", tiered(MODELS))
 def test_grad_checkpointing_keeps_far_less_for_backward(name):
     torch.manual_seed(0)
     plain = MODELS[name]().train()
@@ -80,6 +86,7 @@ def test_grad_checkpointing_keeps_far_less_for_backward(name):
         torch.testing.assert_close(ckpt.eval()(x), plain.eval()(x))
 
 
+@pytest.mark.slow
 def test_grad_checkpointing_updates_batchnorm_statistics_once_under_torch_compile():
     # A compiled checkpoint recomputes inside the compiled backward, which applies the
     # statistics' update once: common/recompute.py passes it no context_fn (compile rejects one).
@@ -96,6 +103,7 @@ def test_grad_checkpointing_updates_batchnorm_statistics_once_under_torch_compil
         torch.testing.assert_close(ckpt.state_dict()[key], tensor, msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [(32, 32), (48, 80), (65, 33)])
 def test_resnet_unet_logits_have_the_input_size(size):
     model = ResNetUNet(5, base_channels=4, encoder="resnet18").eval()
@@ -103,6 +111,7 @@ def test_resnet_unet_logits_have_the_input_size(size):
         assert model(torch.randn(2, 3, *size)).shape == (2, 5, *size)
 
 
+@pytest.mark.slow
 def test_resnet_unet_takes_rgb_only():
     with pytest.raises(ValueError, match="3 \\(RGB\\) channels, not 1"):
         ResNetUNet(2, in_channels=1)
@@ -134,7 +143,7 @@ def test_load_encoder_weights_from_a_file(tmp_path):
     assert all(torch.equal(t, decoder[k]) for k, t in model.decoder.state_dict().items())
 
 
-@pytest.mark.parametrize("name", ["IMAGENET1K_V1", "DEFAULT"])
+@pytest.mark.parametrize("name", tiered(["IMAGENET1K_V1", "DEFAULT"]))
 def test_load_encoder_weights_by_name_reads_torch_homes_cache(tmp_path, monkeypatch, name):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
 
@@ -163,6 +172,7 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.hub, "download_url_to_file", no_network)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case, expected",
     [
@@ -218,3 +228,43 @@ def test_load_encoder_weights_fails_with_one_line(tmp_path, monkeypatch, case, e
     assert "\n" not in message
     for part in expected:
         assert part in message
+
+
+@pytest.mark.slow
+def test_a_pretrained_encoder_trains_and_predict_rebuilds_it(shapes, tmp_path):
+    from unet import read_trained
+
+    state = resnet_file(tmp_path / "resnet18.pth")
+    out = tmp_path / "out"
+    args = ["--encoder", "resnet18", "--encoder_weights", tmp_path / "resnet18.pth"]
+    res = launch(
+        [RECIPE, "--dataset", shapes, "--output_dir", out, *args, "--smoke", *FAST],
+        launcher="python",
+        env=ONE_THREAD,
+    )
+    assert_ok(res)
+    assert "; RGB images; resnet18 encoder; " in res.output, res
+    record = read_trained(out / "model.safetensors")
+    assert record["model"]["encoder"] == "resnet18"
+    # The run started from the file's encoder (one smoke step moves it, but not far).
+    from safetensors.torch import load_file
+
+    trained = load_file(out / "model.safetensors")
+    first = trained["encoder.conv1.weight"]
+    assert (first - state["conv1.weight"]).abs().max() < 0.05
+    # Predict needs only the weights file: it rebuilds the encoder and normalises as training.
+    res = launch(
+        [
+            RECIPE,
+            "--predict",
+            shapes / "imgs" / "shape_000[0-3].png",
+            "--weights",
+            out / "model.safetensors",
+            "--predict_dir",
+            tmp_path / "masks",
+        ],
+        launcher="python",
+        env=ONE_THREAD,
+    )
+    assert_ok(res)
+    assert len(list((tmp_path / "masks").glob("*_mask.png"))) == 4

@@ -27,6 +27,8 @@ from conftest import (
     compile_config,
     launch,
     read_metrics,
+    relabelled,
+    with_void,
 )
 from PIL import Image
 from safetensors import safe_open
@@ -35,6 +37,7 @@ from unet import read_trained
 from common.config import ConfigError, parse_config
 from common.data import DataError
 from common.schedule import fit_cosine
+from unet_data import list_pairs
 
 RECIPE = "recipes/unet.py"
 N_TRAIN = N_IMAGES - N_VAL  # the training images of `shapes`
@@ -316,6 +319,11 @@ def test_stop_and_resume_is_bit_identical_with_crops_and_flips(
         cache,
     ]
     assert_resume_is_bit_identical(args, tmp_path, stop_at=stop_at, steps=steps, nproc=nproc)
+    # Every validation pixel counted once in the confusion matrix behind miou, on 1 process or
+    # 2, where the prepared loader pads the last batch with duplicates (14 images, batches of 4).
+    rows = read_metrics(tmp_path / "straight")
+    assert [r["eval_pixels"] for r in rows] == [N_VAL * SIZE * SIZE] * 2, rows
+    assert all(0 <= r["miou"] <= 1 and len(r["iou_per_class"]) == 4 for r in rows), rows
     # config.yaml records the settings as the run resolved them: channels_last auto is off on CPUs.
     config = yaml.safe_load((tmp_path / "straight" / "config.yaml").read_text())
     assert (config["channels_last"], config["cache_images"]) == (False, cache == "true")
@@ -340,17 +348,24 @@ def test_bucketed_eval_and_saving_leave_a_compiled_ddp_model_whole(mixed_shapes,
 
 @pytest.mark.slow
 def test_bucket_by_size_on_two_processes_trains_and_evaluates_every_image_once(
-    mixed_shapes, tmp_path
+    mixed_shapes, unet, tmp_path
 ):
+    # VOC's masks (class indices, void 255 along the edges) with the void ignored, and the
+    # activations recomputed in the backward pass (grad_checkpointing) under DDP.
+    data = relabelled(mixed_shapes, tmp_path / "voc", with_void)
     args = [
         RECIPE,
         "--dataset",
-        mixed_shapes,
+        data,
         *FAST,
         "--bucket_by_size",
         "true",
         "--base_channels",
         8,
+        "--ignore_index",
+        255,
+        "--grad_checkpointing",
+        "true",
     ]
     res = launch(
         [
@@ -377,6 +392,10 @@ def test_bucket_by_size_on_two_processes_trains_and_evaluates_every_image_once(
     rows = read_metrics(tmp_path / "train")
     assert [r["eval_samples"] for r in rows] == [N_MIXED_VAL, N_MIXED_VAL]
     assert rows[0]["world_size"] == 2
+    # Every pixel of the validation masks in miou's confusion matrix once, but for the void.
+    _, val = list_pairs(unet.Config(dataset=str(data), val_fraction=VAL_FRACTION))
+    masks = [np.asarray(Image.open(mask)) for _, mask, _ in val]
+    assert [r["eval_pixels"] for r in rows] == [sum((m != 255).sum() for m in masks)] * 2
     # One process, the same weights: the same batches of the same images, so the same Dice.
     weights = tmp_path / "train" / "model.safetensors"
     # Predict: each image at its own size.
@@ -390,7 +409,9 @@ def test_bucket_by_size_on_two_processes_trains_and_evaluates_every_image_once(
     (row,) = read_metrics(tmp_path / "eval")
     assert row["eval_samples"] == N_MIXED_VAL
     assert row["dice"] == pytest.approx(rows[-1]["dice"], abs=1e-9)
-    # Predict keeps each image at its own size too.
+    assert row["miou"] == pytest.approx(rows[-1]["miou"], abs=1e-9)
+    assert row["eval_pixels"] == rows[-1]["eval_pixels"]
+    # Predict keeps each image at its own size too, and never writes the ignored value.
     odd = Image.open(next((mixed_shapes / "imgs").glob("*.png"))).resize((61, 37))
     odd.save(tmp_path / "odd.png")
     assert_ok(
@@ -407,7 +428,8 @@ def test_bucket_by_size_on_two_processes_trains_and_evaluates_every_image_once(
             launcher="python",
         )
     )
-    assert Image.open(tmp_path / "out" / "odd_mask.png").size == (61, 37)
+    predicted = Image.open(tmp_path / "out" / "odd_mask.png")
+    assert predicted.size == (61, 37) and np.asarray(predicted).max() <= 3
 
 
 @pytest.mark.slow
@@ -550,7 +572,18 @@ def test_bad_settings_are_rejected(unet):
         ),
         (["--num_classes", "1", "--mask_values", "0,1,2"], "(2 for num_classes 1)"),
         (["--crop_size", "64", "--image_size", "48"], "crop_size cannot exceed image_size"),
-        (["--image_size", "20"], "image_size must be 0 or at least 32"),
+        (["--image_size", "20"], "image_size must be SIZE or HxW (height x width), each at"),
+        (["--image_size", "64x20"], "each at least 32 (the U-Net halves the image 4 times)"),
+        (["--image_size", "64by64"], "like 512 or 640x960; got '64by64'"),
+        (["--image_size", "64", "--scale", "0.5"], "choose one of image_size and scale"),
+        (["--scale", "-1"], "scale must be above 0 (or 0: no resize), got -1.0"),
+        (["--ignore_index", "void"], "--ignore_index must be distinct non-negative integers"),
+        (["--class_weights", "1,x"], "class_weights must be auto or a non-negative weight"),
+        (["--focal_gamma", "-2"], "focal_gamma must be 0 or more, got -2.0"),
+        (["--best_metric", "accuracy"], "best_metric must be miou or dice, got 'accuracy'"),
+        (["--encoder", "vgg16"], "encoder must be empty (the classic U-Net) or resnet18, resnet34"),
+        (["--encoder", "resnet18", "--in_channels", "1"], "a resnet18 encoder takes RGB"),
+        (["--encoder_weights", "x.pth"], "encoder_weights needs an encoder: add --encoder"),
         (["--scheduler", "step"], "scheduler must be cosine or plateau"),
         (["--predict", "x.png"], "predict needs weights"),
         (

@@ -107,7 +107,7 @@ def bench_unet(args, accelerator):
 
     def step(model, optimizer, x, y):
         """The recipe's training step with nothing around it: loss, backward, clipping, AdamW."""
-        loss = unet.loss_per_image(model(x), y, cfg.num_classes).mean()
+        loss = unet.loss_per_image(model(x), y, num_classes=cfg.num_classes).mean()
         accelerator.backward(loss)
         if cfg.grad_clip:
             accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -126,7 +126,16 @@ def bench_unet(args, accelerator):
 
         def train_epoch(epoch_loader):
             return unet.train_one_epoch(
-                model, epoch_loader, optimizer, scheduler, accelerator, cfg, progress, None, values
+                model,
+                epoch_loader,
+                optimizer,
+                scheduler=scheduler,
+                accelerator=accelerator,
+                cfg=cfg,
+                progress=progress,
+                ema=None,
+                classes=data.classes,
+                weights=None,
             )
 
         return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, train_epoch)
@@ -176,7 +185,7 @@ def bench_unet(args, accelerator):
             lambda: unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS}),
             x,
             y,
-            lambda logits, y: unet.loss_per_image(logits, y, cfg.num_classes).mean(),
+            lambda logits, y: unet.loss_per_image(logits, y, num_classes=cfg.num_classes).mean(),
         ),
         "steps_per_rep": steps,
         "samples_per_rep": sum(sizes),
@@ -242,8 +251,8 @@ def bench_loader(args, accelerator):
             loader.set_epoch(epoch)
             loader.dataset.epoch = epoch
             images = 0
-            for _, y in loader:
-                images += len(y)
+            for batch in loader:  # images, masks and the augmentation's random numbers
+                images += len(batch[1])
             return images
 
         rep.setup_s = round(time.perf_counter() - start, 3)

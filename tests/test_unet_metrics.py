@@ -1,0 +1,97 @@
+"""What the U-Net measures and what it optimises: mIoU and the per-class IoU and Dice from one
+confusion matrix, class weights and the focal loss for imbalanced classes, and the start-up note
+when one class holds most pixels. In-process; the exactness of the confusion matrix on 2
+processes (each pixel once) is checked by the launches of test_unet_training.py."""
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from conftest import VAL_FRACTION, relabelled
+
+from common.config import UserError, parse_config
+from common.metrics import class_scores, confusion_counts
+
+
+def test_miou_comes_from_one_confusion_matrix_and_leaves_absent_classes_out():
+    # 2 images of 2x3 pixels, 4 classes: class 3 is neither in the masks nor predicted.
+    target = torch.tensor([[[0, 0, 1], [1, 2, -1]], [[0, 2, 2], [-1, -1, 0]]])
+    pred = torch.tensor([[[0, 1, 1], [1, 2, 3]], [[0, 0, 2], [1, 1, 0]]])
+    logits = torch.nn.functional.one_hot(pred, 4).permute(0, 3, 1, 2).float()
+    counts = confusion_counts(logits, target, 4)
+    assert counts.shape == (2, 16) and counts.sum() == (target >= 0).sum() == 9
+    matrix = counts.sum(0).view(4, 4)  # [true, predicted]
+    assert matrix[0].tolist() == [3, 1, 0, 0] and matrix[1].tolist() == [0, 2, 0, 0]
+    assert matrix[2].tolist() == [1, 0, 2, 0]
+    iou, dice = class_scores(counts.sum(0), 4)
+    # class 0: 3 right, 1 missed, 1 too many; class 1: 2 right, 1 too many; class 2: 2 right, 1
+    # missed; class 3: in neither, so None, and not in the mean.
+    assert iou[:3] == pytest.approx([3 / 5, 2 / 3, 2 / 3]) and iou[3] is None
+    assert dice[:3] == pytest.approx([6 / 8, 4 / 5, 4 / 5]) and dice[3] is None
+    # One sigmoid output tells two classes apart, as one with two.
+    sigmoid = torch.where(pred > 0, 5.0, -5.0)[:, None]
+    assert confusion_counts(sigmoid, target.clamp(max=1), 1).sum(0).view(2, 2).sum() == 9
+
+
+def test_class_weights_and_the_focal_loss(unet):
+    cfg = unet.Config(num_classes=3, class_weights="auto")
+    pixels = [900, 90, 10]
+    weights = unet.class_weights(cfg, pixels)
+    share = torch.tensor(pixels) / 1000
+    assert weights[0] < weights[1] < weights[2] <= 50 * weights[0]  # rare classes weigh more
+    assert (weights * share).sum().item() == pytest.approx(1)  # the average pixel weighs 1
+    assert unet.class_weights(unet.Config(num_classes=3), pixels) is None  # off by default
+    listed = unet.class_weights(unet.Config(num_classes=3, class_weights="0.5,1,2"), pixels)
+    assert listed.tolist() == [0.5, 1, 2]
+    with pytest.raises(UserError, match=re.escape("class_weights lists 2 weights for 3 classes")):
+        unet.class_weights(unet.Config(num_classes=3, class_weights="1,2"), pixels)
+    # The weights scale each pixel's cross-entropy by its true class's weight.
+    torch.manual_seed(0)
+    logits, target = torch.randn(1, 3, 4, 4), torch.randint(0, 3, (1, 4, 4))
+    dice_part = unet.loss_per_image(torch.zeros(1, 3, 4, 4), target, num_classes=3)
+    plain = unet.loss_per_image(logits, target, num_classes=3)
+    doubled = unet.loss_per_image(logits, target, num_classes=3, weights=torch.full((3,), 2.0))
+    ce = torch.nn.functional.cross_entropy(logits, target)
+    assert (doubled - plain).item() == pytest.approx(ce.item(), rel=1e-5)
+    assert dice_part.item() > 0
+    # focal_gamma 0 is the cross-entropy; above 0, a pixel already right counts far less, one
+    # that is wrong nearly as much.
+    right, wrong = torch.tensor([[[[4.0]], [[0.0]]]]), torch.tensor([[[[0.0]], [[4.0]]]])
+    zero = torch.zeros(1, 1, 1, dtype=torch.long)
+    for logits in (right, wrong):
+        assert unet.loss_per_image(logits, zero, num_classes=2, focal_gamma=0.0) == pytest.approx(
+            unet.loss_per_image(logits, zero, num_classes=2).item()
+        )
+    ce_right, ce_wrong = (math.log(1 + math.exp(d)) for d in (-4, 4))
+    for logits, ce in ((right, ce_right), (wrong, ce_wrong)):
+        focal = unet.loss_per_image(logits, zero, num_classes=2, focal_gamma=2.0)
+        plain = unet.loss_per_image(logits, zero, num_classes=2)
+        assert (plain - focal).item() == pytest.approx(
+            ce * (1 - (1 - math.exp(-ce)) ** 2), rel=1e-3
+        )
+    assert (1 - math.exp(-ce_right)) ** 2 < 1e-3 < 0.9 < (1 - math.exp(-ce_wrong)) ** 2
+
+
+@pytest.mark.slow
+def test_the_start_up_names_the_setting_when_one_class_holds_most_pixels(unet, shapes, tmp_path):
+    from common.accelerator import build_accelerator
+
+    # Only the triangles are objects: 3% of the pixels, the background the rest.
+    root = relabelled(
+        shapes, tmp_path / "few", lambda v, i: np.where(v == 255, 1, 0).astype(np.uint8)
+    )
+    args = ["--dataset", root, "--val_fraction", VAL_FRACTION, "--num_workers", 0]
+    cfg = parse_config(unet.Config, [str(a) for a in args])
+    data = unet.load_data(cfg, build_accelerator())
+    note = unet.imbalance_note(cfg, data)
+    assert (
+        note.startswith("note: class 0 (mask value 0) holds 9") and "of the training pixels" in note
+    )
+    assert note.endswith("set --class_weights auto")
+    for setting in (["--class_weights", "auto"], ["--focal_gamma", "2"]):
+        assert (
+            unet.imbalance_note(parse_config(unet.Config, [*map(str, args), *setting]), data)
+            is None
+        )
