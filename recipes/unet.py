@@ -532,7 +532,8 @@ def evaluate(model, loader, accelerator, cfg, *, flips, weights, panels=False, e
     if bucketed:  # as DDP's forward would: every rank uses rank 0's BatchNorm statistics
         broadcast(list(net.buffers()))
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # dice, loss, images
-    confusion = 0
+    classes = value_count(cfg.num_classes)
+    confusion = torch.zeros(classes * classes, dtype=torch.int64, device=accelerator.device)
     panel = None
     for x, y in loader:
         x_in = prepare_input(x, cfg)
@@ -554,12 +555,12 @@ def evaluate(model, loader, accelerator, cfg, *, flips, weights, panels=False, e
         totals[0] += dice.double().mean(1).sum()
         totals[1] += loss.double().sum()
         totals[2] += len(loss)
-        confusion = confusion + matrices.sum(0)
+        confusion += matrices.sum(0)
     if bucketed:
         totals = accelerator.reduce(totals, "sum")
         confusion = accelerator.reduce(confusion, "sum")
     dice_sum, loss_sum, images = totals.tolist()
-    iou, class_dice = class_scores(confusion, value_count(cfg.num_classes))
+    iou, class_dice = class_scores(confusion, classes)
     result = {
         "dice": dice_sum / images,
         "miou": sum(v for v in iou if v is not None) / max(sum(v is not None for v in iou), 1),

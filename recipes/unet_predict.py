@@ -115,7 +115,9 @@ def sample_images(cfg, record, *, multiple, count=4):
         pil_to_tensor(val_pairs[i][0].convert(MODES[in_channels]))
         for i in range(min(count, len(val_pairs)))
     ]
-    h, w = (padded(n, multiple) for n in model_size(record, *images[0].shape[1:]))
+    h, w = model_size(record, *images[0].shape[1:])
+    if record["input_size"] is None or record["scale"]:  # sizes that vary: padded as in training
+        h, w = padded(h, multiple), padded(w, multiple)
     return [
         torch.stack([resize(im, [h, w], antialias=True) for im in images]),
         resize(images[0], [h + 16, w + 32], antialias=True)[None],

@@ -71,6 +71,6 @@ def test_flops_per_sample_counts_forward_and_backward_of_one_sample():
         lambda: unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS}),
         torch.zeros(3, 256, 256, dtype=torch.uint8),
         torch.zeros(256, 256, dtype=torch.long),
-        lambda logits, y: unet.loss_per_image(logits, y, cfg.num_classes).mean(),
+        lambda logits, y: unet.loss_per_image(logits, y, num_classes=cfg.num_classes).mean(),
     )
     assert round(flops / 1e9, 1) == 288.9

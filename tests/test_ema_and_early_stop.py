@@ -167,9 +167,9 @@ def test_the_unet_averages_its_batchnorm_and_stops_early(tmp_path):
         env={"OMP_NUM_THREADS": "1"},
     )
     assert_ok(res)
-    assert "stopped early: no better ema_dice in 1 evaluations" in res.output
+    assert "stopped early: no better ema_miou in 1 evaluations" in res.output
     assert [r["epoch"] for r in read_metrics(out)] == [1, 2]
-    assert all("ema_dice" in r for r in read_metrics(out))
+    assert all("ema_dice" in r and "ema_miou" in r for r in read_metrics(out))
     averaged = load_file(out / "model_ema.safetensors")
     model = load_file(out / "model.safetensors")
     # BatchNorm's running statistics are averaged too (the weights barely move at this lr).

@@ -155,6 +155,7 @@ def test_unet_export_takes_any_batch_and_image_size(unet_onnx, unet_weights):
     assert json.loads(stored["segmentation"])["model"] == {
         "in_channels": 3,
         "num_classes": 4,
+        "encoder": "",
         "base_channels": 4,
         "bilinear": False,
     }
@@ -331,7 +332,7 @@ def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights, tmp_pa
         ([32, 40], (4, 3, 32, 40), (1, 3, 48, 72)),
         (None, (4, 3, 48, 48), (1, 3, 64, 80)),
     ]:  # None: own size
-        record = {"model": {"in_channels": 3}, "mask_values": [0, 85, 170, 255]}
+        record = {"model": {"in_channels": 3}, "mask_values": [0, 85, 170, 255], "scale": 0}
         images, what = sample_images(cfg, {**record, "input_size": input_size}, multiple=16)
         x, y = (unet.prepare_input(t, cfg) for t in images)
         assert (x.shape, y.shape) == (first, second) and what == f"images of {data}"

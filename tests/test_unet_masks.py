@@ -112,7 +112,8 @@ def test_a_mask_value_outside_mask_values_stops_every_rank_with_one_line(bad_sha
     errors = [line for line in res.output.splitlines() if line.startswith("error:")]
     assert errors == [
         f"error: mask {bad} has value 7, which is not one of mask_values "
-        f"0,85,170,255: fix the mask, or list the value in --mask_values"
+        f"0,85,170,255: fix the mask, list the value in --mask_values, or leave it out with "
+        f"--ignore_index 7"
     ], res
 
 

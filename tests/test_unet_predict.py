@@ -176,7 +176,7 @@ def native(tmp_path_factory):
 
 
 def dice(res):
-    return float(re.search(r"^dice ([0-9.]+) on \d+ validation images", res.output, re.M)[1])
+    return float(re.search(r"^dice ([0-9.]+), miou [0-9.]+ on \d+ validation", res.output, re.M)[1])
 
 
 def predict(weights, images, out, *args):

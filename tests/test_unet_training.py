@@ -79,10 +79,16 @@ def test_single_process_learns_and_writes_the_output_contract(trained_unet, shap
     assert stored["model"] == {
         "in_channels": 3,
         "num_classes": 4,
+        "encoder": "",
         "base_channels": 16,
         "bilinear": False,
     }
     assert stored["mask_values"] == [0, 85, 170, 255] and stored["input_size"] == [SIZE, SIZE]
+    assert (stored["ignored"], stored["colour_masks"], stored["scale"]) == ([], False, 0.0)
+    # miou, and per class IoU and Dice, each evaluation; best.safetensors follows miou.
+    assert all(0 < r["miou"] <= 1 and len(r["dice_per_class"]) == 4 for r in rows), rows
+    state = json.loads(sorted((out / "checkpoints").glob("*/trainer_state.json"))[-1].read_text())
+    assert state["best_miou"] == max(r["miou"] for r in rows)
     assert yaml.safe_load((out / "config.yaml").read_text())["num_classes"] == 4
     with safe_open(out / "model.safetensors", "pt") as f:
         keys = list(f.keys())
