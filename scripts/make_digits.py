@@ -2,18 +2,20 @@
 background, each outlined by a void band, as Pascal VOC's masks are.
 
     python scripts/make_digits.py                     # 1200 images of 96x96 in data/digits
-    python scripts/make_digits.py --out /tmp/digits --count 240 --size 64
+    python scripts/make_digits.py --out /tmp/digits --count 240 --digit_size 0.3,0.5
 
 Each image holds 1 to 3 handwritten digits from data/mnist_sample (its train split, 4000 real
-MNIST digits), each scaled to a third to a half of the image side, in a random colour, on a
-noisy background of another colour. The mask is a palette PNG, as VOC's are: 0 background, 1 to
-10 the digits 0 to 9, and 255 (void) on a band 3 pixels wide around each digit. About 90% of the
-pixels are background, and each digit class holds about 1%: the imbalance under which a model
-learns the background alone. The layout is imgs/digit_0000.png and masks/digit_0000.png, which
-the recipe reads as it is. Image i depends only on (--seed, i).
+MNIST digits), each scaled to 15% to 22% of the image's side (14 to 21 pixels; --digit_size), in
+a colour of its digit's family (a hue per digit), on a noisy greyish background. The mask is a
+palette PNG, as VOC's are: 0 background, 1 to 10 the digits 0 to 9, and 255 (void) on a band 3
+pixels wide around each digit. 95% of the pixels are background, 4% void, and each digit class
+holds about 0.1%: the imbalance under which the recipe's defaults learn a few classes and the
+background (docs/unet.md, "Imbalanced classes"). The layout is imgs/digit_0000.png and
+masks/digit_0000.png, which the recipe reads as it is. Image i depends only on (--seed, i).
 """
 
 import argparse
+import colorsys
 import io
 from pathlib import Path
 
@@ -55,20 +57,25 @@ def grow(mask, pixels):
     return grown
 
 
-def make_pair(i, digits, labels, size, seed):
-    """Image i: (uint8 RGB [size, size, 3], uint8 mask [size, size])."""
+def make_pair(i, digits, labels, size, seed, scale=(0.15, 0.22)):
+    """Image i: (uint8 RGB [size, size, 3], uint8 mask [size, size]); each digit's side is a
+    share of the image's side drawn from `scale`."""
     rng = np.random.default_rng((seed, i))
-    background = rng.uniform(30, 225, 3)
+    background = rng.uniform(60, 200) + rng.uniform(-10, 10, 3)  # greyish
     image = background + rng.normal(0, 20, (size, size, 3))
     mask = np.zeros((size, size), np.uint8)
     for _ in range(rng.integers(1, 4)):
         k = rng.integers(len(digits))
-        side = int(rng.uniform(size / 3, size / 2))
+        side = int(rng.uniform(*scale) * size)
         ink = np.asarray(Image.fromarray(digits[k]).resize((side, side), Image.BILINEAR)) > 100
         top, left = rng.integers(BAND, size - side - BAND, 2)
         on = np.zeros((size, size), bool)
         on[top : top + side, left : left + side] = ink
-        colour = (background + rng.uniform(80, 150, 3) * rng.choice([-1, 1], 3)).clip(0, 255)
+        # Each digit in a colour of its own family (a hue per digit, at random saturation and
+        # brightness), as make_shapes.py colours its shapes: the classes are told apart by colour
+        # as well as by shape, so that a small model learns them in minutes on a CPU.
+        hue = (labels[k] / 10 + rng.uniform(-0.03, 0.03)) % 1
+        colour = 255 * np.array(colorsys.hsv_to_rgb(hue, rng.uniform(0.6, 1), rng.uniform(0.6, 1)))
         band = grow(on, BAND) & ~on
         mask[band & (mask == 0)] = VOID  # a later digit covers an earlier one's band
         image[on] = colour + rng.normal(0, 20, (on.sum(), 3))
@@ -82,6 +89,9 @@ def main():
     p.add_argument("--count", type=int, default=1200, help="number of images")
     p.add_argument("--size", type=int, default=96, help="height and width in pixels")
     p.add_argument("--digits", default="data/mnist_sample/train.parquet", help="MNIST parquet")
+    p.add_argument(
+        "--digit_size", default="0.15,0.22", help="a digit's side as a share of the image's: MIN,MAX"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     digits, labels = load_digits(args.digits)
@@ -91,7 +101,8 @@ def main():
     palette = [v for rgb in PALETTE for v in rgb] + [0] * 3 * (VOID - len(PALETTE))
     palette += [224, 224, 192]  # VOC's colour of void
     for i in range(args.count):
-        image, mask = make_pair(i, digits, labels, args.size, args.seed)
+        scale = tuple(float(v) for v in args.digit_size.split(","))
+        image, mask = make_pair(i, digits, labels, args.size, args.seed, scale)
         Image.fromarray(image).save(out / "imgs" / f"digit_{i:04d}.png")
         mask = Image.frombytes("P", (args.size, args.size), mask.tobytes())
         mask.putpalette(palette)

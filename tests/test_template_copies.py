@@ -16,6 +16,7 @@ from conftest import (
     copy_with_tiny_model,
     launch,
     read_metrics,
+    with_void,
 )
 from PIL import Image
 from safetensors import safe_open
@@ -209,49 +210,149 @@ VOC_LIST_PAIRS = '''def list_pairs(cfg):
 VOC_CHANGED_LINES = 35  # list_pairs() in the copy of unet_data.py; and the import in the recipe
 
 
+CITYSCAPES_LIST_PAIRS = '''def list_pairs(cfg):
+    """Cityscapes' layout: leftImg8bit/SPLIT/CITY/NAME_leftImg8bit.png with the label ids in
+    gtFine/SPLIT/CITY/NAME_gtFine_labelIds.png (--train_split train --val_split val)."""
+    root = Path(cfg.dataset)
+
+    def split(name):
+        pairs = []
+        for image in sorted((root / "leftImg8bit" / name).glob("*/*_leftImg8bit.png")):
+            labels = image.name.replace("leftImg8bit", "gtFine_labelIds")
+            pairs.append((image, root / "gtFine" / name / image.parent.name / labels, image.name))
+        return pairs
+
+    return split(cfg.train_split), split(cfg.val_split)
+'''
+
+ADE20K_LIST_PAIRS = '''def list_pairs(cfg):
+    """ADE20K's layout (ADEChallengeData2016): images/SPLIT/NAME.jpg with annotations/SPLIT/NAME.png
+    (--train_split training --val_split validation)."""
+    root = Path(cfg.dataset)
+
+    def split(name):
+        images = sorted((root / "images" / name).glob("*.jpg"))
+        return [(p, root / "annotations" / name / f"{p.stem}.png", p.stem) for p in images]
+
+    return split(cfg.train_split), split(cfg.val_split)
+'''
+
+
+def split_names(shapes):
+    """The shapes' names: the last 10 validate, the others train."""
+    names = sorted(p.stem for p in (shapes / "imgs").glob("*.png"))
+    return {"train": names[:-10], "val": names[-10:]}
+
+
+def image_and_mask(shapes, name):
+    image = Image.open(shapes / "imgs" / f"{name}.png").convert("RGB")
+    return image, np.asarray(Image.open(shapes / "masks" / f"{name}_mask.png"))
+
+
 def voc_layout(shapes, root):
     """`shapes` in Pascal VOC's layout: JPEG images, palette PNG masks holding class indices
-    (0..3), and the splits' names in ImageSets/Segmentation/{train,val}.txt."""
+    (0..3) and void (255) along the edges, and the splits' names in
+    ImageSets/Segmentation/{train,val}.txt."""
     for folder in ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation"):
         (root / folder).mkdir(parents=True)
-    names = sorted(p.stem for p in (shapes / "imgs").glob("*.png"))
     palette = [0, 0, 0, 128, 0, 0, 0, 128, 0, 128, 128, 0] + [0] * (256 - 4) * 3
-    for name in names:
-        Image.open(shapes / "imgs" / f"{name}.png").convert("RGB").save(
-            root / "JPEGImages" / f"{name}.jpg", quality=95
-        )
-        values = np.asarray(Image.open(shapes / "masks" / f"{name}_mask.png"))
-        mask = Image.fromarray((values // 85).astype(np.uint8), mode="P")
-        mask.putpalette(palette)
-        mask.save(root / "SegmentationClass" / f"{name}.png")
-    split = root / "ImageSets" / "Segmentation"
-    (split / "train.txt").write_text("\n".join(names[:-10]) + "\n")
-    (split / "val.txt").write_text("\n".join(names[-10:]) + "\n")
+    for split, names in split_names(shapes).items():
+        for name in names:
+            image, values = image_and_mask(shapes, name)
+            image.save(root / "JPEGImages" / f"{name}.jpg", quality=95)
+            mask = Image.fromarray(with_void(values, 0), mode="P")
+            mask.putpalette(palette)
+            mask.save(root / "SegmentationClass" / f"{name}.png")
+        (root / "ImageSets" / "Segmentation" / f"{split}.txt").write_text("\n".join(names) + "\n")
     return root
 
 
+def cityscapes_layout(shapes, root):
+    """`shapes` in Cityscapes' layout, with its label ids: road 7, car 26, person 24, building
+    11, and ego vehicle (1), which no class trains on, along the top."""
+    ids = np.zeros(256, np.uint8)
+    ids[[0, 85, 170, 255]] = [7, 26, 24, 11]
+    for split, names in split_names(shapes).items():
+        for folder in ("leftImg8bit", "gtFine"):
+            (root / folder / split / "aachen").mkdir(parents=True)
+        for name in names:
+            image, values = image_and_mask(shapes, name)
+            image.save(root / "leftImg8bit" / split / "aachen" / f"{name}_leftImg8bit.png")
+            labels = ids[values]
+            labels[:3] = 1
+            Image.fromarray(labels).save(
+                root / "gtFine" / split / "aachen" / f"{name}_gtFine_labelIds.png"
+            )
+    return root
+
+
+def ade20k_layout(shapes, root):
+    """`shapes` in ADE20K's layout: JPEG images, and masks where 0 is "other" (along the top)
+    and the classes are 1.. (here 4 of them)."""
+    for split, folder in (("train", "training"), ("val", "validation")):
+        (root / "images" / folder).mkdir(parents=True)
+        (root / "annotations" / folder).mkdir(parents=True)
+        for name in split_names(shapes)[split]:
+            image, values = image_and_mask(shapes, name)
+            image.save(root / "images" / folder / f"{name}.jpg", quality=95)
+            labels = (values // 85 + 1).astype(np.uint8)
+            labels[:3] = 0
+            Image.fromarray(labels).save(root / "annotations" / folder / f"{name}.png")
+    return root
+
+
+# (list_pairs() of the copy, the layout, its settings, what the start-up line says)
+LAYOUTS = {
+    "voc": (
+        VOC_LIST_PAIRS,
+        voc_layout,
+        ["--val_split", "val", "--ignore_index", 255],
+        "classes: mask values 0,1,2,3; ignored: 255",
+    ),
+    "cityscapes": (
+        CITYSCAPES_LIST_PAIRS,
+        cityscapes_layout,
+        ["--val_split", "val", "--config", "recipes/configs/cityscapes.yaml"],
+        "classes: mask values 7,8,11,12,13,17,19,20,21,22,23,24,... (19 in all); ignored: every "
+        "other value",
+    ),
+    "ade20k": (
+        ADE20K_LIST_PAIRS,
+        ade20k_layout,
+        ["--train_split", "training", "--val_split", "validation", "--ignore_index", 0],
+        "classes: mask values 1,2,3,4; ignored: 0",
+    ),
+}
+
+
 @pytest.mark.slow
-def test_a_unet_copy_adapted_to_the_voc_layout_changes_only_its_data_part(shapes, tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_unet_copy_adapted_to_a_public_layout_changes_only_its_data_part(
+    shapes, tmp_path, layout
+):
     # The README's way to adapt the data: copy the recipe and its data file, point the copy at
     # its own data file, and rewrite list_pairs() there, the part marked # ADAPT: your layout.
+    # docs/unet.md shows these list_pairs() for Pascal VOC, Cityscapes and ADE20K.
+    list_pairs, make_layout, settings, classes = LAYOUTS[layout]
     recipe = (REPO / "recipes" / "unet.py").read_text()
     data = (REPO / "recipes" / "unet_data.py").read_text()
-    name = f"my_voc_{tmp_path.name[-8:]}"
+    name = f"my_{layout}_{tmp_path.name[-8:]}"
     recipe_copy = recipe.replace("from unet_data import", f"from {name}_data import")
     start = data.index("def list_pairs(")
-    data_copy = data[:start] + VOC_LIST_PAIRS + data[data.index("\n\n\ndef folder_pairs") :]
+    data_copy = data[:start] + list_pairs + data[data.index("\n\n\ndef folder_pairs") :]
     assert changed_lines(recipe, recipe_copy) == 1  # the import, marked # ADAPT: your data
-    assert changed_lines(data, data_copy) == VOC_CHANGED_LINES  # list_pairs(), under # ADAPT
-    root = voc_layout(shapes, tmp_path / "voc")
+    if layout == "voc":
+        assert changed_lines(data, data_copy) == VOC_CHANGED_LINES  # list_pairs(), under # ADAPT
+    root = make_layout(shapes, tmp_path / layout)
     copies = [REPO / "recipes" / f"{name}.py", REPO / "recipes" / f"{name}_data.py"]
     for path, text in zip(copies, (recipe_copy, data_copy)):
         path.write_text(text)
     try:
-        args = [copies[0], "--dataset", root, "--val_split", "val", *FAST, "--smoke"]
+        args = [copies[0], "--dataset", root, *settings, *FAST, "--smoke"]
         res = launch([*args, "--output_dir", tmp_path / "out"], launcher="python", env=ONE_THREAD)
     finally:
         for path in copies:
             path.unlink()
     assert_ok(res)
-    assert "classes: mask values 0,1,2,3" in res.output
+    assert classes in res.output, res
     assert read_metrics(tmp_path / "out")[0]["eval_samples"] == 10
