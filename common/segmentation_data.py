@@ -72,8 +72,29 @@ def input_channels(mode):
     return 1 if mode in GREY_MODES else 4 if mode in ALPHA_MODES else 3
 
 
+def mask_array(mask, name, size=None):
+    """A mask, a PIL image or an array, as a numpy array: [H, W] of integer values, or [H, W, 3]
+    of colours. size (height, width): a PIL mask is first resized to it by nearest neighbour,
+    before its pixels become an array. A DataError names a mask that does not decode, or that
+    holds no integers."""
+    try:
+        if isinstance(mask, Image.Image):
+            if mask.mode in ("1", "LA"):
+                mask = mask.convert("L")
+            elif mask.mode in ("RGBA", "CMYK", "YCbCr", "LAB", "HSV"):
+                mask = mask.convert("RGB")
+            if size is not None and mask.size != (size[1], size[0]):
+                mask = mask.resize((size[1], size[0]), Image.NEAREST)
+        array = np.asarray(mask)
+    except IMAGE_ERRORS as e:  # a truncated or broken mask file
+        raise unreadable_image(name, e, "mask") from None
+    if array.dtype.kind not in "iub":
+        raise DataError(f"mask {name} holds {array.dtype} values: save one integer value per class")
+    return array
+
+
 def mask_codes(mask):
-    """A mask as an integer array [H, W]: its values, or for colours [H, W, 3(+)], 0xRRGGBB."""
+    """A mask array as integers [H, W]: its values, or for colours [H, W, 3(+)], 0xRRGGBB."""
     mask = np.asarray(mask)
     if mask.ndim == 3:
         rgb = mask[..., :3].astype(np.int32)
@@ -186,13 +207,14 @@ def scan_share(accelerator, splits):
     for s, i in items[accelerator.process_index :: accelerator.num_processes]:
         try:
             image, mask, name = splits[s][i]
-            codes = mask_codes(mask)
+            mask = mask_array(mask, name)
         except (DataError, OSError, Image.DecompressionBombError) as e:  # OSError: PIL's
             problems.append(str(e))
             continue
+        codes = mask_codes(mask)
         sizes[s, i] = codes.shape
         modes.setdefault(image.mode, getattr(image, "filename", "") or name)
-        kinds.setdefault("colour" if np.ndim(mask) == 3 else "grey", name)
+        kinds.setdefault("colour" if mask.ndim == 3 else "grey", name)
         for v, (pixels, interior) in mask_stats(codes).items():
             stats = found.setdefault(v, [0, name, 0, 0, 0])
             stats[MASKS] += 1
@@ -363,9 +385,10 @@ def target_sizes(sizes, *, image_size, scale, bucket_by_size, min_size):
         )
     ((h, w),) = distinct
     if min(w, h) < min_size:
+        scaled = f" at scale {scale:g}" if scale else ""
         raise DataError(
-            f"images are {w}x{h}, smaller than {min_size} pixels (crop_size, or the model's "
-            f"smallest input): set --image_size"
+            f"images are {w}x{h}{scaled}, smaller than {min_size} pixels (crop_size, or the "
+            f"model's smallest input): set --image_size{', or a larger --scale' * bool(scale)}"
         )
     return targets, (h, w)
 
@@ -395,6 +418,7 @@ def decode_pair(pairs, i, classes, mode, size):
         image = image.convert(mode)  # decodes an image file: the scan read only its header
     except IMAGE_ERRORS as e:  # such as a truncated file
         raise unreadable_image(getattr(image, "filename", "") or name, e) from None
+    mask = mask_array(mask, name, size)  # resized first: fewer pixels to map to classes
     image, target = pil_to_tensor(image), torch.from_numpy(classes.classes_of(mask))
     if tuple(image.shape[1:]) != (height, width):
         image = resize(image, [height, width], antialias=True)

@@ -1,7 +1,7 @@
 """ADAPT: the U-Net recipe's data, the part a copy changes for its own layout and masks:
 
     list_pairs(cfg)          which (image, mask) pairs make the training and validation splits
-    read_pair(image, mask)   one pair as a PIL image and an array of mask values or colours
+    read_pair(image, mask)   one pair as PIL images: the image, and its mask of values or colours
     mask_classes(cfg, ...)   which mask value is which class, and which count for nothing
 
 Everything behind them, the same for any data, is common/segmentation_data.py: the mask scan
@@ -11,19 +11,11 @@ padding, bucketing and the loaders, all in one call, load_segmentation().
 
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 
 from common.config import require
-from common.data import (
-    IMAGE_ERRORS,
-    DataError,
-    TableRows,
-    load_splits,
-    open_image,
-    unreadable_image,
-)
+from common.data import DataError, TableRows, load_splits, open_image
 from common.segmentation_data import MaskClasses
 
 SHAPES = "data/shapes"  # the default data, made by `make data/shapes` (scripts/make_shapes.py)
@@ -99,8 +91,10 @@ def folder_pairs(root):
 # channels; the mask's values are what mask_classes() lists: grey levels, palette indices or label
 # ids, or for an RGB mask (CamVid's), one colour per class.
 def read_pair(image, mask, name):
-    """A PIL image and its mask as an array: [H, W] of integer values, or [H, W, 3] of colours
-    for a mask in colour. A file PIL cannot read stops with a DataError naming it."""
+    """A PIL image and its mask, a PIL image of integer values or of RGB colours (an integer
+    array [H, W], or [H, W, 3] of colours, does too). Both are decoded later: their pixels only
+    when common/segmentation_data.py needs them, at the size it needs. A file PIL cannot open
+    stops with a DataError naming it."""
     image, mask = (
         open_image(p, kind) if isinstance(p, Path) else p
         for p, kind in ((image, "image"), (mask, "mask"))
@@ -109,25 +103,13 @@ def read_pair(image, mask, name):
         raise DataError(
             f"{name}: the mask is a {type(mask).__name__}, not an image: check mask_column"
         )
-    try:
-        if mask.mode in ("1", "LA"):
-            mask = mask.convert("L")
-        elif mask.mode in ("RGBA", "CMYK", "YCbCr"):
-            mask = mask.convert("RGB")
-        values = np.asarray(mask)
-    except IMAGE_ERRORS as e:  # a truncated or broken mask file
-        raise unreadable_image(name, e, "mask") from None
-    if values.dtype.kind not in "iu":
+    if mask.mode in ("F", "RGBX") or mask.mode.startswith("I;16B"):
+        raise DataError(f"mask {name} is of mode {mask.mode}: save one integer value per class")
+    if image.size != mask.size:
         raise DataError(
-            f"mask {name} holds {values.dtype} values ({mask.mode}): save one integer value per "
-            f"class"
+            f"mask {name} is {mask.width}x{mask.height}, its image {image.width}x{image.height}"
         )
-    if image.size != values.shape[1::-1]:
-        raise DataError(
-            f"mask {name} is {values.shape[1]}x{values.shape[0]}, its image "
-            f"{image.width}x{image.height}"
-        )
-    return image, values
+    return image, mask
 
 
 # ADAPT: which mask value is which class: class i is mask value values[i], and the pixels of the

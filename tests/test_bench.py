@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, assert_ok, launch
+from conftest import N_IMAGES, N_VAL, REPO, assert_ok, launch
 from recipe_module import load_recipe
 
 sys.path.append(str(REPO / "scripts"))  # bench_tools, after everything else: it shadows nothing
@@ -50,6 +50,37 @@ def test_bench_runs_the_fast_preset_with_its_optimizer_and_schedule(tiny_mnist, 
     assert report["recipe_over_bound_paired"] > 0 and len(report["startup"]) == 1
     table = out.with_suffix(".md").read_text().splitlines()
     assert table[0].startswith("| variant | median/s |") and table[2].startswith("| recipe | ")
+
+
+@pytest.mark.slow
+def test_the_unet_loader_bench_counts_every_training_image(shapes, tmp_path):
+    # Its batches are (images, masks, the augmentation's random numbers): a loop that unpacked
+    # two of them failed at the first batch.
+    out = tmp_path / "loader.json"
+    args = ["--val_fraction", "0.2", "--scale", "0.75", "--cache_images", "false"]
+    res = launch(
+        [
+            "scripts/bench.py",
+            "--recipe",
+            "unet",
+            "--dataset",
+            shapes,
+            "--loader",
+            " ".join(args),
+            "--warmup",
+            0,
+            "--reps",
+            1,
+            "--threads",
+            1,
+            "--json",
+            out,
+        ],
+        launcher="python",
+    )
+    assert_ok(res)
+    (variant,) = json.loads(out.read_text())["variants"].values()
+    assert variant["samples"] == [N_IMAGES - N_VAL] and "images of 36x36;" in variant["data"]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from unet import read_trained
 
 from common import segmentation_data
 from common.config import parse_config
+from common.data import DataError
 
 RECIPE = "recipes/unet.py"
 
@@ -140,3 +141,6 @@ def test_cached_class_masks_are_uint8_up_to_255_classes(unet, carvana):
     data = load(unet, carvana, "--scale", 0.5)
     images, masks = data.train_loader.dataset.cache
     assert images.dtype == masks.dtype == torch.uint8 and masks.shape[1:] == (60, 100)
+    # Too small once scaled: the error names the scale.
+    with pytest.raises(DataError, match=r"images are 40x24 at scale 0\.2, smaller than 32 pixels"):
+        load(unet, carvana, "--scale", 0.2)
