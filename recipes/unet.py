@@ -86,9 +86,7 @@ class Config(RunConfig):
     in_channels: int = 0  # of the model's input: 1 grey, 3 RGB, 4 RGBA; 0: the images' own
     encoder: str = ""  # resnet18, resnet34 or resnet50: a torchvision ResNet encoder; "": none
     encoder_weights: str = ""  # pretrained encoder: a torchvision .pth file, or a name to download
-    base_channels: int = (
-        64  # first level's width, doubled at each level down (encoder: 16 is usual)
-    )
+    base_channels: int = 64  # first level's width, doubled at each level down; 16 with encoder
     bilinear: bool = False  # upsample by bilinear interpolation, not transposed convolutions
     sync_bn: bool = True  # BatchNorm statistics over all processes' batches (GPUs only)
     channels_last: bool | None = None  # NHWC: faster fp16/bf16 convolutions; auto: on with CUDA
