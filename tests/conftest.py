@@ -117,9 +117,10 @@ def stopped_at(straight, step, split):
     return split
 
 
-def make_shapes(root, count, size):
-    """scripts/make_shapes.py into root: count images with exact masks, of size x size, or with
-    each height and width drawn from a string of sizes such as "40,64,96" (--sizes)."""
+def make_shapes(root, count, size, *more):
+    """scripts/make_shapes.py into root: count images with exact masks, of size x size, or WxH
+    ("200x120"), or with each height and width drawn from a string of sizes such as "40,64,96"
+    (--sizes); `more`: its other arguments, such as "--image_format", "jpg"."""
     subprocess.run(
         [
             sys.executable,
@@ -128,8 +129,9 @@ def make_shapes(root, count, size):
             root,
             "--count",
             str(count),
-            "--sizes" if isinstance(size, str) else "--size",
+            "--sizes" if "," in str(size) else "--size",
             str(size),
+            *more,
         ],
         check=True,
         capture_output=True,

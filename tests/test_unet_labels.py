@@ -218,3 +218,24 @@ def test_colour_and_grey_masks_together_are_named(unet, shapes, tmp_path):
         match="is in colour, mask .* holds grey levels or palette indices: save all masks alike",
     ):
         load(unet, root)
+
+
+@pytest.mark.slow
+def test_settings_and_masks_that_do_not_fit_the_classes_are_one_line(unet, shapes, tmp_path):
+    for args, message in [
+        (["--ignore_unlisted", "true"], "ignore_unlisted needs --mask_values: the values that are"),
+        (
+            ["--mask_values", "0,85,170,255", "--ignore_index", 255],
+            "mask value 255 is both a class (mask_values) and ignored (ignore_index)",
+        ),
+    ]:
+        with pytest.raises(DataError, match=re.escape(message)) as e:
+            load(unet, shapes, *args)
+        assert "\n" not in str(e.value)
+
+    def floats(values, i):  # a mask of floating-point values, as TIFF keeps them
+        return Image.fromarray(values.astype(np.float32))
+
+    root = relabelled(shapes, tmp_path / "floats", floats, count=20, suffix=".tif")
+    with pytest.raises(DataError, match="is of mode F: save one integer value per class"):
+        load(unet, root)

@@ -48,12 +48,18 @@ def tiered(names):
     return [pytest.param(n, marks=[pytest.mark.slow] if i else []) for i, n in enumerate(names)]
 
 
-@pytest.mark.parametrize("name", tiered(MODELS))
-def test_grad_checkpointing_trains_the_same_weights_and_batchnorm_statistics(name):
+def plain_and_checkpointed(name):
+    """MODELS[name] in training mode, and a copy of it with grad_checkpointing."""
     torch.manual_seed(0)
     plain = MODELS[name]().train()
     ckpt = copy.deepcopy(plain)
     ckpt.grad_checkpointing = True
+    return plain, ckpt
+
+
+@pytest.mark.parametrize("name", tiered(MODELS))
+def test_grad_checkpointing_trains_the_same_weights_and_batchnorm_statistics(name):
+    plain, ckpt = plain_and_checkpointed(name)
     steps = 3
     for model in (plain, ckpt):
         g = torch.Generator().manual_seed(1)  # the same batches for both
@@ -75,10 +81,7 @@ def test_grad_checkpointing_trains_the_same_weights_and_batchnorm_statistics(nam
 
 @pytest.mark.parametrize("name", tiered(MODELS))
 def test_grad_checkpointing_keeps_far_less_for_backward(name):
-    torch.manual_seed(0)
-    plain = MODELS[name]().train()
-    ckpt = copy.deepcopy(plain)
-    ckpt.grad_checkpointing = True
+    plain, ckpt = plain_and_checkpointed(name)
     x = torch.randn(2, 3, 64, 64)
     assert saved_activation_bytes(ckpt, x) < 0.3 * saved_activation_bytes(plain, x)
     # Without gradients, or in eval mode, the model simply runs: nothing to save.

@@ -3,13 +3,11 @@
 reduced size, and the mask scan is remembered between starts on the same files."""
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import FAST, ONE_THREAD, REPO, assert_ok, launch, read_metrics
+from conftest import FAST, ONE_THREAD, assert_ok, launch, make_shapes, read_metrics
 from PIL import Image, JpegImagePlugin
 from unet import read_trained
 
@@ -24,26 +22,8 @@ RECIPE = "recipes/unet.py"
 def carvana(tmp_path_factory):
     """Carvana's file types and aspect ratio, smaller: 24 JPEG images of 200x120 (WxH) with GIF
     masks named NAME_mask.gif."""
-    root = tmp_path_factory.mktemp("carvana")
-    subprocess.run(
-        [
-            sys.executable,
-            REPO / "scripts" / "make_shapes.py",
-            "--out",
-            root,
-            "--count",
-            "24",
-            "--size",
-            "200x120",
-            "--image_format",
-            "jpg",
-            "--mask_format",
-            "gif",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return root
+    formats = ["--image_format", "jpg", "--mask_format", "gif"]
+    return make_shapes(tmp_path_factory.mktemp("carvana"), 24, "200x120", *formats)
 
 
 def load(unet, root, *args):
