@@ -90,7 +90,9 @@ def main():
     p.add_argument("--size", type=int, default=96, help="height and width in pixels")
     p.add_argument("--digits", default="data/mnist_sample/train.parquet", help="MNIST parquet")
     p.add_argument(
-        "--digit_size", default="0.15,0.22", help="a digit's side as a share of the image's: MIN,MAX"
+        "--digit_size",
+        default="0.15,0.22",
+        help="a digit's side as a share of the image's: MIN,MAX",
     )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
