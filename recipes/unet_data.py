@@ -103,8 +103,6 @@ def read_pair(image, mask, name):
         raise DataError(
             f"{name}: the mask is a {type(mask).__name__}, not an image: check mask_column"
         )
-    if mask.mode in ("F", "RGBX") or mask.mode.startswith("I;16B"):
-        raise DataError(f"mask {name} is of mode {mask.mode}: save one integer value per class")
     if image.size != mask.size:
         raise DataError(
             f"mask {name} is {mask.width}x{mask.height}, its image {image.width}x{image.height}"

@@ -107,6 +107,17 @@ def launch(
     return Result(proc, out)
 
 
+def predict_here(recipe, weights, pattern, out):
+    """The recipe's predict() in the test process, as `--predict PATTERN --weights WEIGHTS
+    --predict_dir OUT` runs it: for tests of what predict writes, where the launch adds nothing
+    (the fast tier and test_unet_predict.py launch it)."""
+    from common.accelerator import build_accelerator
+    from common.config import parse_config
+
+    args = ["--predict", pattern, "--weights", weights, "--predict_dir", out]
+    recipe.predict(parse_config(recipe.Config, [str(a) for a in args]), build_accelerator())
+
+
 def stopped_at(straight, step, split):
     """`split` holding only checkpoints/step-N of `straight`: what a run stopped at step N leaves
     to resume from. A checkpoint is written the same way on a stop and every N steps (a straight

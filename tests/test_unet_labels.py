@@ -12,10 +12,12 @@ from conftest import (
     FAST,
     N_IMAGES,
     ONE_THREAD,
+    REPO,
     SIZE,
     VAL_FRACTION,
     assert_ok,
     launch,
+    predict_here,
     relabelled,
     with_void,
 )
@@ -88,7 +90,8 @@ def test_cityscapes_ids_become_its_19_classes_through_the_preset(unet, shapes, t
         return out
 
     root = relabelled(shapes, tmp_path / "cityscapes", cityscapes, count=30)
-    data = load(unet, root, "--config", "recipes/configs/cityscapes.yaml")
+    cityscapes = REPO / "recipes" / "configs" / "cityscapes.yaml"
+    data = load(unet, root, "--config", cityscapes)
     assert data.num_classes == 19 and data.values[:3] == [7, 8, 11]
     assert "ignored: every other value" in str(data)
     masks = all_masks(data.val_loader)
@@ -96,7 +99,7 @@ def test_cityscapes_ids_become_its_19_classes_through_the_preset(unet, shapes, t
     assert (masks[:, :3] == IGNORE).all() and (masks[:, 3:] != IGNORE).all()
     # Without ignore_unlisted, the first id that is no class is named, with the settings.
     with pytest.raises(DataError) as e:
-        load(unet, root, "--config", "recipes/configs/cityscapes.yaml", "--ignore_unlisted", "no")
+        load(unet, root, "--config", cityscapes, "--ignore_unlisted", "no")
     assert re.search(r"has value [14], which is not one of mask_values 7,8,11,", str(e.value))
     assert "list the value in --mask_values, or leave it out with --ignore_index" in str(e.value)
 
@@ -127,6 +130,9 @@ def test_many_classes_are_inferred_from_masks_that_fill_regions(unet, shapes, tm
     assert data.num_classes == values and data.values == list(range(values))
     got = all_masks(data.val_loader)
     assert got.max() < values and got.min() >= 0
+    # Stored as uint8 up to 255 classes (255 then stands for ignored), past that as int32.
+    stored = data.train_loader.dataset.cache[1].dtype
+    assert stored == (torch.uint8 if values <= 255 else torch.int32)
     # ADE20K's reduce_zero_label: 0 ("other") ignored, 150 classes.
     if values == 151:
         data = load(unet, root, "--ignore_index", 0)
@@ -179,20 +185,9 @@ def test_colour_masks_train_and_predict_in_their_colours(unet, shapes, tmp_path)
     )
     assert_ok(res)
     assert "classes: mask colours #000000,#400080,#804080,#808000;" in res.output, res
-    res = launch(
-        [
-            RECIPE,
-            "--predict",
-            root / "imgs" / "shape_000*.png",
-            "--weights",
-            out / "model.safetensors",
-            "--predict_dir",
-            tmp_path / "predicted",
-        ],
-        launcher="python",
-        env=ONE_THREAD,
+    predict_here(
+        unet, out / "model.safetensors", root / "imgs" / "shape_000*.png", tmp_path / "predicted"
     )
-    assert_ok(res)
     predicted = sorted((tmp_path / "predicted").glob("*_mask.png"))
     assert len(predicted) == 10
     for path in predicted:
@@ -237,5 +232,5 @@ def test_settings_and_masks_that_do_not_fit_the_classes_are_one_line(unet, shape
         return Image.fromarray(values.astype(np.float32))
 
     root = relabelled(shapes, tmp_path / "floats", floats, count=20, suffix=".tif")
-    with pytest.raises(DataError, match="is of mode F: save one integer value per class"):
+    with pytest.raises(DataError, match="holds float32 values: save one integer value per class"):
         load(unet, root)

@@ -75,7 +75,9 @@ def test_class_weights_and_the_focal_loss(unet):
 
 
 @pytest.mark.slow
-def test_the_start_up_names_the_setting_when_one_class_holds_most_pixels(unet, shapes, tmp_path):
+def test_the_imbalance_note_names_the_setting_when_one_class_holds_most_pixels(
+    unet, shapes, tmp_path
+):
     from common.accelerator import build_accelerator
 
     # Only the triangles are objects: 3% of the pixels, the background the rest.

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from conftest import FAST, ONE_THREAD, REPO, assert_ok, launch
+from conftest import FAST, ONE_THREAD, REPO, assert_ok, launch, predict_here
 from torch import nn
 
 from common.config import UserError
@@ -234,7 +234,7 @@ def test_load_encoder_weights_fails_with_one_line(tmp_path, monkeypatch, case, e
 
 
 @pytest.mark.slow
-def test_a_pretrained_encoder_trains_and_predict_rebuilds_it(shapes, tmp_path):
+def test_a_pretrained_encoder_trains_and_predict_rebuilds_it(unet, shapes, tmp_path):
     from unet import read_trained
 
     state = resnet_file(tmp_path / "resnet18.pth")
@@ -256,18 +256,7 @@ def test_a_pretrained_encoder_trains_and_predict_rebuilds_it(shapes, tmp_path):
     first = trained["encoder.conv1.weight"]
     assert (first - state["conv1.weight"]).abs().max() < 0.05
     # Predict needs only the weights file: it rebuilds the encoder and normalises as training.
-    res = launch(
-        [
-            RECIPE,
-            "--predict",
-            shapes / "imgs" / "shape_000[0-3].png",
-            "--weights",
-            out / "model.safetensors",
-            "--predict_dir",
-            tmp_path / "masks",
-        ],
-        launcher="python",
-        env=ONE_THREAD,
+    predict_here(
+        unet, out / "model.safetensors", shapes / "imgs" / "shape_000[0-3].png", tmp_path / "masks"
     )
-    assert_ok(res)
     assert len(list((tmp_path / "masks").glob("*_mask.png"))) == 4

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import FAST, ONE_THREAD, assert_ok, launch, make_shapes, read_metrics
+from conftest import FAST, ONE_THREAD, assert_ok, launch, make_shapes, predict_here, read_metrics
 from PIL import Image, JpegImagePlugin
 from unet import read_trained
 
@@ -37,7 +37,9 @@ def load(unet, root, *args):
 
 
 @pytest.mark.slow
-def test_scale_keeps_the_aspect_ratio_and_predict_returns_each_mask_at_its_size(carvana, tmp_path):
+def test_scale_keeps_the_aspect_ratio_and_predict_returns_each_mask_at_its_size(
+    unet, carvana, tmp_path
+):
     out = tmp_path / "out"
     res = launch(
         [RECIPE, "--dataset", carvana, "--scale", 0.5, "--output_dir", out, "--smoke", *FAST],
@@ -52,20 +54,7 @@ def test_scale_keeps_the_aspect_ratio_and_predict_returns_each_mask_at_its_size(
     # each mask written at its image's own size, in the training masks' values.
     Image.open(carvana / "imgs" / "shape_0000.jpg").save(tmp_path / "car.jpg")
     Image.open(carvana / "imgs" / "shape_0001.jpg").resize((90, 70)).save(tmp_path / "other.jpg")
-    res = launch(
-        [
-            RECIPE,
-            "--predict",
-            tmp_path / "*.jpg",
-            "--weights",
-            out / "model.safetensors",
-            "--predict_dir",
-            tmp_path / "masks",
-        ],
-        launcher="python",
-        env=ONE_THREAD,
-    )
-    assert_ok(res)
+    predict_here(unet, out / "model.safetensors", tmp_path / "*.jpg", tmp_path / "masks")
     for name, size in (("car", (200, 120)), ("other", (90, 70))):
         mask = Image.open(tmp_path / "masks" / f"{name}_mask.png")
         assert mask.size == size and set(np.unique(mask)) <= {0, 85, 170, 255}
@@ -117,7 +106,7 @@ def test_the_mask_scan_is_remembered_until_a_file_changes(unet, carvana, monkeyp
 
 
 @pytest.mark.slow
-def test_cached_class_masks_are_uint8_up_to_255_classes(unet, carvana):
+def test_scaled_class_masks_are_cached_as_uint8_and_too_small_a_scale_is_named(unet, carvana):
     data = load(unet, carvana, "--scale", 0.5)
     images, masks = data.train_loader.dataset.cache
     assert images.dtype == masks.dtype == torch.uint8 and masks.shape[1:] == (60, 100)
