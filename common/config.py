@@ -436,7 +436,7 @@ class RunConfig:
     weights: str | None = None  # model.safetensors (or a state_dict .pt) to start from
     export: str = ""  # onnx: write `weights` as a checked .onnx file beside it (docs/export.md)
     # Logging: metrics.jsonl is always written; log_with also sends it to a tracker.
-    log_with: str = "none"  # none, tensorboard (requirements-extras.txt), wandb (pip install wandb)
+    log_with: str = "none"  # none, tensorboard or wandb (requirements-extras.txt)
     log_every: int = 50  # optimizer steps between logged training scalars
     dist_timeout_s: int = 600  # a rank stuck this long in a collective stops the job
     debug: bool = False  # show full tracebacks for user errors

@@ -1,4 +1,5 @@
-"""Metrics that are true for the whole job, not just for rank 0, and a metrics.jsonl writer.
+"""Metrics that are true for the whole job, not just for rank 0, and a metrics.jsonl writer (and
+its rewrite for a resumed run: drop_lines_after).
 
 counts = confusion_counts(logits, target, num_classes)  # per image; gather, then sum
 iou, dice = class_scores(counts.sum(0), classes)        # per class, None where absent
@@ -6,6 +7,7 @@ iou, dice = class_scores(counts.sum(0), classes)        # per class, None where 
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -103,21 +105,61 @@ class Throughput:
 class MetricsLog:
     """Appends one JSON object per line to output_dir/metrics.jsonl, on the main process only.
     Each record also gets world_size (the process count, if given) and elapsed_s: seconds since
-    this log was opened (the start of the run)."""
+    this log was opened (the start of the run).
 
-    def __init__(self, path, enabled, world_size=None):
+    goes_on_from: for a training run, the (step, epoch) of the checkpoint it resumes from, (0, 1)
+    for one that starts afresh. Its first write first drops the lines that the run writes again
+    (drop_lines_after): only then has the run trained, so a resume that fails before (another
+    batch_size, bad data) leaves the file as it was."""
+
+    def __init__(self, path, enabled, world_size=None, *, goes_on_from=None):
         self.path = Path(path)
         self.enabled = enabled
         self.world_size = world_size
         self.start = time.perf_counter()
+        self.goes_on_from = goes_on_from
 
     def write(self, **record):
         if self.enabled:
+            if self.goes_on_from is not None:
+                step, epoch = self.goes_on_from
+                drop_lines_after(self.path, step=step, epoch=epoch)
+                self.goes_on_from = None
             if self.world_size is not None:
                 record["world_size"] = self.world_size
             record["elapsed_s"] = round(time.perf_counter() - self.start, 2)
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def drop_lines_after(path, *, step, epoch):
+    """Rewrite metrics.jsonl for a run that goes on from a checkpoint, without the lines that the
+    run writes again. step and epoch: the checkpoint's trainer_state.json, the epoch being the one
+    the run resumes in (the next one after an epoch-end checkpoint). The lines that go are those of
+    later steps, and those of `epoch` and later epochs (a partial epoch's line, written when
+    max_steps stopped the run mid-epoch); an eval_only line (epoch null) goes only if it is of a
+    later step. Step 0 is a run that starts afresh: every line goes. The new file replaces the
+    old one atomically. Main process only."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    if step == 0:
+        path.unlink()
+        return
+    # A last line without its newline was cut short by a killed write: it goes too.
+    lines = [line for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"{path} line {number} is not JSON: fix or remove it") from None
+        again = record["step"] > step or (record["epoch"] is not None and record["epoch"] >= epoch)
+        if not again:
+            kept.append(line)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
 
 
 def peak_memory_mb(device):

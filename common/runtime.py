@@ -5,7 +5,7 @@ one line and a clean exit.
         accelerator = accelerator_for(cfg)                  # common/accelerator.py
         out, checkpoint = open_run(accelerator, cfg)        # common/outputs.py
         ...data...
-        metrics = start_logging(accelerator, cfg, "mnist")  # common/tracking.py
+        metrics = start_logging(accelerator, cfg, "mnist", checkpoint=checkpoint)  # tracking.py
         ...training...
         del model, optimizer, train_loader, test_loader
         close(accelerator)

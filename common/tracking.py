@@ -3,7 +3,8 @@ log_with names (TensorBoard or wandb), checked before the run starts, and the se
 it shows.
 
     log_with = tracker(cfg.log_with)                    # for Accelerator(log_with=...)
-    metrics = start_logging(accelerator, cfg, "mnist")  # config.yaml, trackers, metrics.jsonl
+    out, checkpoint = open_run(accelerator, cfg)        # checkpoint: None to start afresh
+    metrics = start_logging(accelerator, cfg, "mnist", checkpoint=checkpoint)  # logs go on there
     metrics.write(epoch=1, step=step, **result)         # a line of metrics.jsonl
     accelerator.log({"eval/accuracy": 0.98}, step=step)  # to the tracker, if any
     panel = image_panel(x, logits, y, num_classes)      # image | prediction | truth, floats
@@ -11,6 +12,8 @@ it shows.
 
 import dataclasses
 import importlib.util
+import json
+import secrets
 from pathlib import Path
 
 import torch
@@ -30,23 +33,74 @@ def tracker(log_with):
     if log_with not in TRACKERS:
         raise UserError(f"log_with must be none, {' or '.join(TRACKERS)}, got {log_with!r}")
     if importlib.util.find_spec(TRACKERS[log_with]) is None:
-        hint = "-r requirements-extras.txt" if log_with == "tensorboard" else TRACKERS[log_with]
         raise UserError(
-            f"log_with {log_with} needs the {TRACKERS[log_with]} package: pip install {hint}"
+            f"log_with {log_with} needs the {TRACKERS[log_with]} package: "
+            f"pip install -r requirements-extras.txt"
         )
     return log_with
 
 
-def start_logging(accelerator, cfg, name):
+def start_logging(accelerator, cfg, name, *, checkpoint=None):
     """Write config.yaml (the settings as resolved, so --config repeats the run), start the
-    trackers that log_with names, and return the metrics.jsonl writer. eval_only keeps the
-    training run's config.yaml."""
+    trackers that log_with names, and return the metrics.jsonl writer.
+
+    checkpoint: the one the run goes on from (open_run's), None for a run that starts afresh.
+    A training run's logs go on from there too: TensorBoard hides the points logged after the
+    checkpoint's step (its purge_step), wandb continues the run whose id output_dir/wandb_run_id
+    holds, and metrics.jsonl loses the lines that the run writes again. A run that starts afresh
+    starts them afresh. eval_only keeps the training run's config.yaml and metrics.jsonl and
+    starts a new tracker run."""
     out = Path(cfg.output_dir)
-    if accelerator.is_main_process and not cfg.eval_only:
-        save_config(cfg, out / "config.yaml")
-    # Nothing happens here unless log_with names a tracker.
-    accelerator.init_trackers(name, config=dataclasses.asdict(cfg))
-    return MetricsLog(out / "metrics.jsonl", accelerator.is_main_process, accelerator.num_processes)
+    main_process = accelerator.is_main_process
+    init_kwargs = {"wandb": {"dir": str(out)}}  # output_dir/wandb/, not ./wandb/
+    if not cfg.eval_only:
+        step, epoch = resumed_at(checkpoint)  # read on every rank: a bad file stops all alike
+        # SummaryWriter hides what the files already hold from this step on: the run logs it again.
+        init_kwargs["tensorboard"] = {"purge_step": step + 1}
+        if main_process:
+            save_config(cfg, out / "config.yaml")
+            if cfg.log_with == "wandb":
+                run_id = wandb_run_id(out, resumed=checkpoint is not None)
+                init_kwargs["wandb"].update(id=run_id, resume="allow")
+    # Nothing happens here unless log_with names a tracker; trackers start on the main process.
+    accelerator.init_trackers(name, config=dataclasses.asdict(cfg), init_kwargs=init_kwargs)
+    return MetricsLog(
+        out / "metrics.jsonl",
+        main_process,
+        accelerator.num_processes,
+        goes_on_from=None if cfg.eval_only else (step, epoch),
+    )
+
+
+def resumed_at(checkpoint):
+    """(step, epoch) where a run goes on from `checkpoint`, as its trainer_state.json says:
+    (0, 1) for None, a run that starts afresh."""
+    if checkpoint is None:
+        return 0, 1
+    state_file = Path(checkpoint) / "trainer_state.json"
+    try:
+        state = json.loads(state_file.read_text())
+    except FileNotFoundError:
+        raise UserError(
+            f"{checkpoint} is not a complete checkpoint (no trainer_state.json): pass another "
+            f"--resume"
+        ) from None
+    except json.JSONDecodeError:
+        raise UserError(f"{state_file} is corrupt: resume from an earlier checkpoint") from None
+    return state["step"], state["epoch"]
+
+
+def wandb_run_id(out, *, resumed):
+    """The id of the wandb run that output_dir logs to, kept in output_dir/wandb_run_id: a
+    resumed run reads it back, so that it goes on logging into that run; a run that starts
+    afresh (or resumes without the file: it logged to no wandb run yet) writes a new one.
+    Main process only."""
+    path = Path(out) / "wandb_run_id"
+    if resumed and path.is_file():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(6)  # 12 hex digits: as unlikely to repeat as wandb's own ids
+    path.write_text(run_id + "\n")
+    return run_id
 
 
 # Class 0 (and padding) black, then a colour per class, repeating after six.

@@ -247,7 +247,7 @@ def main(cfg):
     require_one_batch_per_process(
         len(train_loader.dataset), cfg.batch_size, accelerator, what=f"the {cfg.train_split} split"
     )
-    metrics = start_logging(accelerator, cfg, NAME)
+    metrics = start_logging(accelerator, cfg, NAME, checkpoint=checkpoint)
 
     # 3. Model, optimizer and schedule.
     model = BasicNet()

@@ -656,7 +656,7 @@ def main(cfg):
     weights = class_weights(cfg, data.class_pixels)  # None unless class_weights is set
     weights = None if weights is None else weights.to(accelerator.device)
     train_loader, val_loader = data.train_loader, data.val_loader
-    metrics = start_logging(accelerator, cfg, NAME)
+    metrics = start_logging(accelerator, cfg, NAME, checkpoint=checkpoint)
 
     # 3. Model, optimizer and schedule.
     settings = {k: getattr(cfg, k) for k in MODEL_SETTINGS}

@@ -120,6 +120,7 @@ def test_bad_input_is_one_line_and_the_checkpoints_survive(
     if "--resume" not in args:
         args += ["--resume", "latest"]
     before = snapshot(mnist_checkpoint / "checkpoints")
+    metrics = (mnist_checkpoint / "metrics.jsonl").read_text()
     start = time.monotonic()
     res = launch(
         [RECIPE, "--output_dir", mnist_checkpoint, "--batch_size", 32, *args], launcher="python"
@@ -130,6 +131,8 @@ def test_bad_input_is_one_line_and_the_checkpoints_survive(
     assert time.monotonic() - start < 60
     after = snapshot(mnist_checkpoint / "checkpoints")
     assert before.items() <= after.items(), "an existing checkpoint was changed or deleted"
+    # A resume that stops before it trains leaves the run's metrics as they were.
+    assert (mnist_checkpoint / "metrics.jsonl").read_text() == metrics
 
 
 @pytest.mark.slow

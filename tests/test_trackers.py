@@ -1,26 +1,141 @@
-"""Experiment trackers. The TensorBoard scalars of a 2-process MNIST run are read back in
-test_ema_and_early_stop.py (its early-stopping run), the U-Net's panels in
-test_unet_training.py."""
+"""Experiment trackers, and the logs of a resumed run: TensorBoard's curves, the wandb run and
+metrics.jsonl go on from the checkpoint, without the points and lines that the run writes again.
+The TensorBoard scalars of a 2-process MNIST run are read back in test_ema_and_early_stop.py (its
+early-stopping run), the U-Net's panels in test_unet_training.py."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
-from conftest import launch
+from conftest import REPO, assert_ok, launch, read_metrics
+
+RECIPE = "recipes/mnist.py"
+# 256 train samples, batch 32: 8 optimizer steps an epoch.
+SMALL = ["--batch_size", 32, "--eval_batch_size", 256]
+
+
+def steps_logged(folder):
+    """{tag: [step, ...]} of the TensorBoard scalars in `folder`, as TensorBoard shows them: its
+    EventAccumulator reads the event files in order and applies each writer's purge_step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def kill_when(args, done, log):
+    """Run `python RECIPE args` as launch() does and SIGKILL it, as a crash or a lost machine
+    would, as soon as done() is true; its output goes to `log`."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, *map(str, args)],
+            cwd=REPO,
+            env={**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONUNBUFFERED": "1"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.time() + 120
+            while not done():
+                assert proc.poll() is None, f"exited early:\n{log.read_text()[-3000:]}"
+                assert time.time() < deadline, f"timed out:\n{log.read_text()[-3000:]}"
+                time.sleep(0.05)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
+
+
+def test_a_partial_epochs_metrics_line_goes_when_the_run_resumes(
+    tiny_mnist, mnist_checkpoint, tmp_path
+):
+    # mnist_checkpoint stopped at step 2 by max_steps: a line for its partial epoch 1. Going on to
+    # the end of epoch 1 writes epoch 1's line again, so the partial one goes.
+    run = shutil.copytree(mnist_checkpoint, tmp_path / "run")
+    # Other tests add eval_only lines (epoch null, step 2) to the shared run: they stay.
+    assert [(r["epoch"], r["step"]) for r in read_metrics(run) if r["epoch"]] == [(1, 2)]
+    res = launch(
+        [RECIPE, "--dataset", tiny_mnist, "--output_dir", run, *SMALL, "--max_steps", 8]
+        + ["--resume", "latest"],
+        launcher="python",
+    )
+    assert_ok(res)
+    assert "(epoch 1, step 2)" in res.output
+    assert [(r["epoch"], r["step"]) for r in read_metrics(run) if r["epoch"]] == [(1, 8)]
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_with_curves_that_do_not_double_back_and_one_line_an_epoch(
+    tiny_mnist, tmp_path
+):
+    out = tmp_path / "run"
+    args = [RECIPE, "--dataset", tiny_mnist, "--output_dir", out, *SMALL, "--epochs", 3]
+    args += ["--log_with", "tensorboard", "--log_every", 1]
+    args += ["--checkpoint_every_steps", 4, "--keep_checkpoints", 10]
+    # Killed once step-12 is written: by then it has logged steps 1..12 and evaluated epoch 1.
+    kill_when(args, (out / "checkpoints" / "step-00000012").is_dir, tmp_path / "killed.log")
+    # Go back to step 4, as if the kill had come just before the step-8 checkpoint. What the killed
+    # run logged after step 4 is logged again by the resumed run: the test holds only if it goes.
+    for checkpoint in (out / "checkpoints").glob("step-*"):
+        if checkpoint.name != "step-00000004":
+            shutil.rmtree(checkpoint)
+    before = steps_logged(out / "mnist")
+    assert before["train/loss"][:12] == list(range(1, 13)) and before["eval/accuracy"][0] == 8
+    assert read_metrics(out)[0]["step"] == 8
+
+    res = launch([*args, "--resume", out / "checkpoints" / "step-00000004"], launcher="python")
+    assert_ok(res)
+    assert "(epoch 1, step 4)" in res.output
+    after = steps_logged(out / "mnist")
+    assert {"train/loss", "train/lr", "eval/accuracy", "eval/eval_loss"} <= after.keys()
+    for tag, steps in after.items():  # each point once, in order: the curves never double back
+        assert steps == (list(range(1, 25)) if tag.startswith("train/") else [8, 16, 24]), tag
+    assert [(r["epoch"], r["step"]) for r in read_metrics(out)] == [(1, 8), (2, 16), (3, 24)]
+
+
+@pytest.mark.slow
+def test_a_resumed_run_goes_on_logging_into_the_same_wandb_run(tiny_mnist, tmp_path):
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}  # runs saved in output_dir/wandb/
+    args = [RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path, *SMALL, "--epochs", 1]
+    args += ["--log_with", "wandb", "--log_every", 2]
+    assert_ok(launch([*args, "--max_steps", 4], launcher="python", env=env, timeout=120))
+    run_id = (tmp_path / "wandb_run_id").read_text().strip()
+    res = launch([*args, "--resume", "latest"], launcher="python", env=env, timeout=120)
+    assert_ok(res)
+    assert "(epoch 1, step 4)" in res.output
+    assert (tmp_path / "wandb_run_id").read_text().strip() == run_id
+    runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(f"-{run_id}") for name in runs), runs
 
 
 @pytest.mark.slow
 def test_a_missing_tracker_package_is_one_line(tiny_mnist, tmp_path):
+    # wandb is installed (requirements-extras.txt): the launched process is made not to find it.
+    hide = tmp_path / "hide_wandb"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\n\nsys.modules['wandb'] = None\n")
+    path = os.pathsep.join(filter(None, [str(hide), os.environ.get("PYTHONPATH")]))
     res = launch(
         [
             "recipes/mnist.py",
             "--dataset",
             tiny_mnist,
             "--output_dir",
-            tmp_path,
+            tmp_path / "run",
             "--log_with",
             "wandb",
         ],
         launcher="python",
+        env={"PYTHONPATH": path},
     )
     assert res.returncode == 2
     assert res.output.strip().splitlines() == [
-        "error: log_with wandb needs the wandb package: pip install wandb"
+        "error: log_with wandb needs the wandb package: pip install -r requirements-extras.txt"
     ]
