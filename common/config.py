@@ -435,6 +435,7 @@ class RunConfig:
     eval_only: bool = False  # evaluate `weights` (or the `resume` checkpoint) and stop
     weights: str | None = None  # model.safetensors (or a state_dict .pt) to start from
     export: str = ""  # onnx: write `weights` as a checked .onnx file beside it (docs/export.md)
+    predict: str | None = None  # image files (a glob) to label with --weights; see the recipe
     # Logging: metrics.jsonl is always written; log_with also sends it to a tracker.
     log_with: str = "none"  # none, tensorboard or wandb (requirements-extras.txt)
     log_every: int = 50  # optimizer steps between logged training scalars
@@ -483,6 +484,9 @@ class RunConfig:
             not self.export or not self.weights.endswith(".onnx"),
             "export reads the weights the .onnx file was made from: pass the .safetensors",
         )
+        require(not self.predict or self.weights, "predict needs weights: add --weights FILE")
+        require(not (self.predict and self.eval_only), "choose one of predict and eval_only")
+        require(not (self.predict and self.export), "choose one of predict and export")
 
     def scaled_lr(self, processes):
         """lr, times processes x accumulation steps with scale_lr (the linear scaling rule)."""

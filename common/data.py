@@ -10,6 +10,8 @@
     loader = seeded_loader(train_set, 64, True, seed, workers)  # for prepare() to shard
     TensorBatches(images, labels)       # a TensorDataset read a whole batch at a time
     x = random_shift(x, 2)              # augmentation: each image moved by up to 2 pixels
+    files = image_files("digits/*.png")  # --predict's files, sorted, each header read
+    image = read_image(files[0])        # decoded, or a DataError naming the file
 
 A local folder is read by `datasets.load_dataset` itself: parquet files named
 train*/test*, or the imagefolder layout train/<label>/*.png. A hub name is
@@ -21,6 +23,7 @@ the hub: a mistyped path says that it does not exist. A data file that does not 
 (truncated, not parquet) or an image that does not decode is named in the error.
 """
 
+import glob
 import os
 import socket
 import sys
@@ -43,6 +46,7 @@ DATA_SUFFIXES = (".parquet", ".csv", ".tsv", ".json", ".jsonl", ".arrow")
 # What PIL raises for a file it cannot read: OSError (not an image, truncated, missing), and
 # SyntaxError, ValueError or DecompressionBombError from some broken or huge files.
 IMAGE_ERRORS = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp")
 
 
 def looks_like_path(name):
@@ -291,6 +295,32 @@ def open_image(path, kind="image"):
         return Image.open(path)
     except IMAGE_ERRORS as e:
         raise unreadable_image(path, e, kind) from None
+
+
+def read_image(path):
+    """open_image(path) with its pixels decoded: a DataError names a file that does not decode
+    (a truncated one, whose header reads)."""
+    image = open_image(path)
+    try:
+        image.load()
+    except IMAGE_ERRORS as e:
+        raise unreadable_image(path, e) from None
+    return image
+
+
+def image_files(pattern, suffixes=IMAGE_SUFFIXES):
+    """The image files (names ending in one of `suffixes`) that a --predict glob matches, sorted,
+    each header read once: a DataError for no match or a file PIL cannot open. Every process
+    that calls it on the same files stops alike."""
+    files = sorted(p for p in glob.glob(pattern) if Path(p).suffix.lower() in suffixes)
+    if not files:
+        raise DataError(
+            f"--predict {pattern!r} matches no image files ({', '.join(sorted(suffixes))}): "
+            f"check the path or pattern"
+        )
+    for path in files:
+        open_image(path).close()
+    return files
 
 
 def crop_and_flip(images, masks, rand, *, crop=0, hflip=0.0, vflip=0.0):

@@ -4,8 +4,12 @@ if the run fails before it trains.
     out, checkpoint = open_run(accelerator, cfg)   # output_dir, and the checkpoint to resume from
     training_started(cfg.output_dir)               # Progress.start_epoch: from here it stays
     leave_output_dir(failed)                       # run(), as the process ends
+    with stop_together(accelerator): ...           # one process's UserError stops them all
+    write_csv(accelerator, rows, path, header=[...])  # every process's rows, written once
 """
 
+import contextlib
+import csv
 import errno
 import fcntl
 import os
@@ -137,3 +141,42 @@ def _not_writable(path, error):
     return UserError(
         f"output_dir {path} is not writable ({error.strerror}): choose another --output_dir"
     )
+
+
+@contextlib.contextmanager
+def stop_together(accelerator):
+    """Around work that each process does on its own share (files to predict): a UserError in the
+    block, on any process, is raised on every process as it leaves the block, so rank 0 says it
+    and none waits in a later collective for a process that stopped. A collective: every process
+    runs the block."""
+    problem = None
+    try:
+        yield
+    except UserError as e:
+        problem = str(e)
+    raise_if_any(accelerator, problem)
+
+
+def write_csv(accelerator, rows, path, *, header):
+    """Write every process's `rows` (lists of values) under `header` to the CSV file `path`, its
+    folder made if need be. A collective: the rows are gathered in process order (the order of
+    split_between_processes' shares), then the main process writes them atomically, a temporary
+    file then os.replace, so a reader sees the old file or the whole new one. A file that cannot
+    be written stops every process with one line. Returns how many rows were written."""
+    rows = gather_object(rows)  # the processes' lists, one after the other
+    path, problem = Path(path), None
+    if accelerator.is_main_process:
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(header)
+                writer.writerows(rows)
+            os.replace(tmp, path)
+        except OSError as e:
+            problem = f"cannot write {path} ({e.strerror or e}): choose another path"
+            if tmp.exists():
+                tmp.unlink()
+    raise_if_any(accelerator, problem)
+    return len(rows)

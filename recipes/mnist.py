@@ -3,6 +3,7 @@
     python recipes/mnist.py --dataset data/mnist_sample --epochs 3          # one process
     accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py
     torchrun --nproc_per_node 2 recipes/mnist.py --dataset data/mnist_sample
+    python recipes/mnist.py --predict "digits/*.png" --weights runs/mnist/model.safetensors
 
 The accelerate config picks CPU, GPUs and fp16/bf16; Config below and common.config's RunConfig
 take `--config run.yaml` and `--field value`. Copy this file: `# ADAPT:` marks what to change.
@@ -32,15 +33,17 @@ from common.data import (
     TensorBatches,
     class_labels,
     decode_images,
+    image_files,
     load_splits,
     random_shift,
+    read_image,
     require_one_batch_per_process,
     seeded_loader,
 )
 from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import export_onnx
-from common.outputs import open_run
+from common.outputs import open_run, stop_together, write_csv
 from common.progress import Progress
 from common.runtime import run
 from common.schedule import fit_schedule
@@ -74,6 +77,9 @@ class Config(RunConfig):
     seed: int = 1  # model init and data order; same seed, same run
     num_workers: int = 0  # DataLoader workers per process; the data is already decoded in memory
     data_on_device: bool = True  # keep the decoded images on the GPU and gather batches there
+    # Predict (--predict "digits/*.png" --weights FILE): a CSV row per file, in eval_batch_size.
+    top_k: int = 3  # the most likely classes per file, each with its probability
+    predict_csv: str = ""  # where the CSV goes; empty: output_dir/predictions.csv
 
     def validate(self):
         super().validate()
@@ -81,6 +87,7 @@ class Config(RunConfig):
             value = getattr(self, name)
             require(value in choices, f"{name} must be {' or '.join(choices)}, got {value!r}")
         require_at_least(self, 0, "weight_decay", "shift")
+        require(1 <= self.top_k <= 10, f"top_k must be 1 to 10 (the classes), got {self.top_k}")
 
 
 # ADAPT: your model. This is the BasicNet of the PyTorch examples, so results compare.
@@ -102,6 +109,18 @@ class BasicNet(nn.Module):
         return self.fc2(x)  # logits
 
 
+# ADAPT: your input: what the model takes, for training and predict alike.
+def to_batch(images, names):
+    """PIL images -> uint8 [N, 1, 28, 28]; a DataError names an image of another mode or size."""
+    for image, name in zip(images, names):
+        if image.mode != "L" or image.size != (28, 28):
+            raise DataError(
+                f"{name} is a {image.mode} {image.width}x{image.height} image; BasicNet takes "
+                f"28x28 greyscale ('L'): convert it or change the model"
+            )
+    return torch.from_numpy(np.stack([np.asarray(image) for image in images]))[:, None]
+
+
 # ADAPT: your data. Images are decoded once into uint8 tensors and normalised on the device per
 # batch, which is much cheaper than PIL -> ToTensor -> Normalize for every sample.
 def normalize(x):
@@ -113,12 +132,7 @@ def to_tensors(split, cfg, name, device):
 
     def decode():
         images = decode_images(split, cfg.image_column, f"{name} split")  # a bad file: named
-        if bad := next((im for im in images if im.mode != "L" or im.size != (28, 28)), None):
-            raise DataError(
-                f"{name} split has a {bad.mode} {bad.width}x{bad.height} image; "
-                f"BasicNet takes 28x28 greyscale ('L'): convert or change the model"
-            )
-        x = torch.from_numpy(np.stack([np.asarray(im) for im in images]))[:, None]
+        x = to_batch(images, [f"{name} split row {i}" for i in range(len(images))])
         return x, class_labels(split, cfg.label_column, num_classes=10, where=f"{name} split")
 
     # Decoded once (common/cache.py): later runs read the tensors from the datasets cache until
@@ -223,14 +237,48 @@ def evaluate(model, loader, accelerator, ema=None):
     }
 
 
+def predict(cfg, accelerator, model):
+    """Label the image files of the --predict glob: a CSV row per file, in sorted order, with its
+    top_k classes and their probabilities. Each process labels a share of the files, converted
+    as in training (to_batch, normalize)."""
+    files = image_files(cfg.predict)  # every process lists them all, so bad ones stop all alike
+    model = model.to(accelerator.device).eval()
+    rows = []
+    with accelerator.split_between_processes(files) as share, stop_together(accelerator):
+        for start in range(0, len(share), cfg.eval_batch_size):
+            paths = share[start : start + cfg.eval_batch_size]
+            x = to_batch([read_image(p) for p in paths], paths).to(accelerator.device)
+            with torch.inference_mode(), accelerator.autocast():
+                probabilities = F.softmax(model(normalize(x)).float(), dim=1)
+            top = probabilities.topk(cfg.top_k, dim=1)  # sorted, most likely first
+            for path, labels, chances in zip(paths, top.indices.tolist(), top.values.tolist()):
+                row = [path]
+                for label, p in zip(labels, chances):
+                    row += [label, f"{p:.6f}"]
+                rows.append(row)
+    header = ["file", "label", "probability"]
+    header += [
+        f"{column}_{i}" for i in range(2, cfg.top_k + 1) for column in ("label", "probability")
+    ]
+    path = cfg.predict_csv or Path(cfg.output_dir) / "predictions.csv"
+    count = write_csv(accelerator, rows, path, header=header)  # gathered in order, written once
+    accelerator.print(f"wrote {count} predictions to {path}")
+
+
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
     accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
     set_deterministic(cfg.deterministic)
+
+    # 2. Model: made in this one place, for training, predict and export alike.
+    model = BasicNet()
+    load_weights(model, cfg.weights)  # --weights, if given
+    if cfg.predict:  # a mode of its own: a CSV of labels, no run folder, no data
+        predict(cfg, accelerator, model)
+        return close(accelerator)
     if cfg.export:  # a mode of its own: an .onnx file beside the weights (common/export.py)
-        model, x = BasicNet(), normalize(next(iter(make_loaders(cfg)[1]))[0][:8])  # test digits
-        load_weights(model, cfg.weights)
+        x = normalize(next(iter(make_loaders(cfg)[1]))[0][:8])  # 8 test digits
         export_onnx(
             accelerator,
             model,
@@ -242,16 +290,14 @@ def main(cfg):
         return close(accelerator)
     out, checkpoint = open_run(accelerator, cfg)
 
-    # 2. Data: every process loads it (bad data fails alike on every rank); prepare() shards it.
+    # 3. Data: every process loads it (bad data fails alike on every rank); prepare() shards it.
     train_loader, test_loader = make_loaders(cfg, accelerator.device)
     require_one_batch_per_process(
         len(train_loader.dataset), cfg.batch_size, accelerator, what=f"the {cfg.train_split} split"
     )
     metrics = start_logging(accelerator, cfg, NAME, checkpoint=checkpoint)
 
-    # 3. Model, optimizer and schedule.
-    model = BasicNet()
-    load_weights(model, cfg.weights)  # --weights, if given
+    # 4. Optimizer and schedule.
     lr = cfg.scaled_lr(accelerator.num_processes)
     optimizer = make_optimizer(model, cfg, lr)
     model, optimizer, train_loader, test_loader = accelerator.prepare(
@@ -264,7 +310,7 @@ def main(cfg):
         f"{NAME}: {describe(accelerator, cfg.batch_size)}; lr {lr:g}; {sizes}; outputs to {out}/"
     )
 
-    # 4. Resume: weights, optimizer, RNGs, LR schedule, place in the data. `best`: EMA's if any.
+    # 5. Resume: weights, optimizer, RNGs, LR schedule, place in the data. `best`: EMA's if any.
     progress = Progress(accelerator, cfg, metric="ema_accuracy" if ema else "accuracy")
     if checkpoint:  # eval_only reads any checkpoint; training on needs the same data order
         resume_training(
@@ -281,7 +327,7 @@ def main(cfg):
         scheduler, cfg, progress, batches_per_epoch=len(train_loader), checkpoint=checkpoint
     )
 
-    # 5. Train, evaluating after every epoch.
+    # 6. Train, evaluating after every epoch.
     result = None
     while progress.epochs_left():
         catch_stop_signals()  # from here Ctrl-C and SIGTERM stop at a checkpoint, on every rank
@@ -312,7 +358,7 @@ def main(cfg):
             f"{train['train_samples_per_s']:.0f} samples/s"
         )
 
-    # 6. Finish: the final weights and accuracy, or where to resume an interrupted run.
+    # 7. Finish: the final weights and accuracy, or where to resume an interrupted run.
     if progress.why_stopped:  # Ctrl-C or SIGTERM (then nothing more), or early stopping
         accelerator.print(progress.why_stopped)
     if not progress.interrupted:
@@ -335,7 +381,7 @@ def main(cfg):
             f"samples; outputs in {out}/"
         )
 
-    # 7. Exit cleanly: drop what holds the process group, then close it.
+    # 8. Exit cleanly: drop what holds the process group, then close it.
     del model, optimizer, train_loader, test_loader, ema
     close(accelerator)
 

@@ -117,8 +117,7 @@ class Config(RunConfig):
     best_metric: str = "miou"  # miou or dice: picks best.safetensors, early stops, plateau's lr
     seed: int = 0  # model init, data order and augmentation; same seed, same run
     log_every: int = 20  # optimizer steps between logged scalars; image panels at every eval
-    # Predict: write masks for new images with `weights`, whose file records the model settings.
-    predict: str | None = None  # an image file or glob
+    # Predict (--predict GLOB): masks for new images with `weights`, which record the model.
     predict_dir: str | None = None  # where the NAME_mask.png go; default output_dir/predictions
     overlay: bool = False  # also write NAME_overlay.png, the image with the classes painted on
     # Predict and eval_only (and the evaluation of a training run): see common/inference.py.
@@ -191,15 +190,12 @@ class Config(RunConfig):
             not self.predict_flip or self.eval_only or self.predict or self.hflip or self.vflip,
             "predict_flip averages over the flips of training: set hflip or vflip above 0",
         )
-        require(not self.predict or self.weights, "predict needs weights: add --weights FILE")
         tile = self.predict_tile
         require(
             tile == 0 or (tile >= MIN_SIZE and tile % PAD_MULTIPLE == 0),
             f"predict_tile must be 0 or a multiple of {PAD_MULTIPLE} from {MIN_SIZE} up (the "
             f"U-Net halves a tile 4 times), got {tile}",
         )
-        require(not (self.predict and self.eval_only), "choose one of predict and eval_only")
-        require(not (self.predict and self.export), "choose one of predict and export")
         require(
             self.predict or not str(self.weights).endswith(".onnx"),
             "an .onnx file only predicts: train or evaluate from the .safetensors it was made from",

@@ -7,7 +7,6 @@ written back, in the training masks' values or colours, at each image's own size
     images, what = sample_images(cfg, record)   # inputs that check an export
 """
 
-import glob
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from common.data import DataError, pad_to
+from common.data import DataError, image_files, pad_to
 from common.inference import predicted_classes
 from common.segmentation_data import MODES, padded
 from common.tracking import paint
@@ -25,17 +24,12 @@ EXPORT_SIZE = 64  # export's random inputs for a model trained at its images' ow
 
 
 def predict_files(pattern):
-    """The image files that the --predict glob matches, sorted, each header read: a bad file
-    stops every process alike, as each reads them all."""
-    files = sorted(p for p in glob.glob(pattern) if Path(p).suffix.lower() in IMAGE_SUFFIXES)
-    if not files or len({Path(p).stem for p in files}) < len(files):
-        problem = "two images of one name" if files else "no image files"
-        raise DataError(f"--predict {pattern!r} matches {problem}")
-    for path in files:
-        try:
-            Image.open(path).close()
-        except OSError as e:
-            raise DataError(f"cannot read image {path}: {e}") from None
+    """The image files that the --predict glob matches, sorted, each header read (image_files):
+    a bad file stops every process alike, as each reads them all. Two of one name would write
+    one mask."""
+    files = image_files(pattern, IMAGE_SUFFIXES)
+    if len({Path(p).stem for p in files}) < len(files):
+        raise DataError(f"--predict {pattern!r} matches two images of one name")
     return files
 
 

@@ -1,8 +1,11 @@
 """Copies of the recipes made as README "Make your own recipe" says, with their own model (and
 for grey images their own loss): each changes only the lines the README counts, trains on 1 and
-2 processes, and a U-Net copy predicts."""
+2 processes, and predicts with its own weights (the MNIST copy exports them too)."""
+
+import csv
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from conftest import (
     FAST,
@@ -35,6 +38,11 @@ RECIPE = "recipes/unet.py"
 
 @pytest.mark.slow
 def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
+    digits = tmp_path / "digits"  # 5 test digits as PNG files, for predict
+    digits.mkdir()
+    for i, image in enumerate(pq.read_table(tiny_mnist / "test.parquet")["image"][:5].to_pylist()):
+        (digits / f"digit_{i}.png").write_bytes(image["bytes"])
+    weights = tmp_path / "two" / "model.safetensors"
     with copy_with_tiny_model() as copy:
         one = launch(
             [copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "one", "--smoke"],
@@ -43,10 +51,25 @@ def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
         two = launch(
             [copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "two", "--smoke"], nproc=2
         )
+        # The model is made in one place: predict and export take the copy's own.
+        predicted = launch(
+            [copy, "--predict", digits / "*.png", "--weights", weights, "--output_dir", tmp_path],
+            launcher="python",
+        )
+        exported = launch(
+            [copy, "--dataset", tiny_mnist, "--export", "onnx", "--weights", weights],
+            launcher="python",
+        )
     for res, out in ((one, "one"), (two, "two")):
         assert_ok(res)
         assert read_metrics(tmp_path / out)[0]["eval_samples"] == N_TEST
         assert set(load_file(tmp_path / out / "model.safetensors")) == {"fc.weight", "fc.bias"}
+    assert_ok(predicted)
+    with open(tmp_path / "predictions.csv", newline="") as f:
+        rows = list(csv.reader(f))[1:]
+    assert [row[0] for row in rows] == [str(digits / f"digit_{i}.png") for i in range(5)]
+    assert_ok(exported)
+    assert weights.with_suffix(".onnx").is_file()
 
 
 # ---- U-Net ----

@@ -1,0 +1,158 @@
+"""MNIST's --predict: image files labelled with saved weights into one CSV, on any number of
+processes, the images converted as in training; bad input is one line naming the file and the
+fix."""
+
+import csv
+import re
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import assert_ok, error_lines, garble, launch, truncate
+from PIL import Image
+from recipe_module import load_recipe
+
+from common.checkpoint import load_weights
+from common.config import ConfigError, UserError, parse_config
+
+MNIST = "recipes/mnist.py"
+HEADER = ["file", "label", "probability", "label_2", "probability_2", "label_3", "probability_3"]
+
+
+def write_digits(tiny_mnist, folder, count=7):
+    """The first `count` test digits of tiny_mnist as 28x28 'L' PNG files: their paths."""
+    folder.mkdir()
+    images = pq.read_table(tiny_mnist / "test.parquet").column("image").to_pylist()[:count]
+    paths = [folder / f"digit_{i:02d}.png" for i in range(count)]
+    for path, image in zip(paths, images):
+        path.write_bytes(image["bytes"])  # the PNG the parquet file holds
+    return paths
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def top_k(weights, paths, k=3):
+    """The recipe's model on the images, computed here from the pixels: (labels, probabilities)
+    of the k most likely classes of each image."""
+    mnist = load_recipe("mnist")
+    model = mnist.BasicNet()
+    load_weights(model, weights)
+    x = torch.from_numpy(np.stack([np.asarray(Image.open(p)) for p in paths]))[:, None]
+    with torch.inference_mode():
+        probabilities = model.eval()(mnist.normalize(x)).softmax(1)
+    top = probabilities.topk(k, dim=1)
+    return top.indices.tolist(), top.values.tolist()
+
+
+def test_predict_writes_one_row_per_file_in_order_the_same_on_two_processes(
+    mnist_checkpoint, tiny_mnist, tmp_path
+):
+    weights = mnist_checkpoint / "model.safetensors"  # as the recipe writes it (max_steps 2)
+    paths = write_digits(tiny_mnist, tmp_path / "digits")
+    (tmp_path / "digits" / "notes.txt").write_text("not an image: not listed")
+    out = tmp_path / "csv" / "labels.csv"
+    res = launch(
+        [MNIST, "--predict", tmp_path / "digits" / "*", "--weights", weights, "--predict_csv", out],
+        nproc=2,
+    )
+    assert_ok(res)
+    assert f"wrote 7 predictions to {out}" in res.output, res
+    header, *rows = read_csv(out)
+    assert header == HEADER
+    assert [row[0] for row in rows] == sorted(map(str, paths))  # each file once, in sorted order
+    labels, probabilities = top_k(weights, sorted(paths))  # what one process computes
+    for row, want_labels, want_probabilities in zip(rows, labels, probabilities):
+        assert [int(v) for v in row[1::2]] == want_labels, row
+        got = [float(v) for v in row[2::2]]
+        assert got == sorted(got, reverse=True) and all(0 <= p <= 1 for p in got), row
+        assert got == pytest.approx(want_probabilities, abs=1e-5), row
+
+
+# ---- slow tier: the one-line errors, the settings ----
+
+
+def predict_here(*args):
+    """The recipe's predict() in the test process, on one process, as --predict runs it; the
+    weights are not read (the model is a fresh BasicNet)."""
+    from common.accelerator import build_accelerator
+
+    mnist = load_recipe("mnist")
+    cfg = parse_config(mnist.Config, ["--weights", "unused.safetensors", *map(str, args)])
+    mnist.predict(cfg, build_accelerator(), mnist.BasicNet())
+
+
+def broken(paths, how):
+    """Make the last of `paths` bad: `how` is rgb, 32x32, garbled or truncated. Its path."""
+    bad = paths[-1]
+    if how == "rgb":
+        Image.open(bad).convert("RGB").save(bad)
+    elif how == "32x32":
+        Image.open(bad).resize((32, 32)).save(bad)
+    else:
+        {"garbled": garble, "truncated": truncate}[how](bad)
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("rgb", "{bad} is a RGB 28x28 image; BasicNet takes 28x28 greyscale ('L'): convert it"),
+        ("32x32", "{bad} is a L 32x32 image; BasicNet takes 28x28 greyscale ('L'): convert it"),
+        ("garbled", "cannot read image {bad} (not an image file PIL can read): fix or remove"),
+        ("truncated", "cannot read image {bad} (image file is truncated): fix or remove"),
+    ],
+)
+def test_a_bad_image_names_the_file_and_the_fix(how, message, tiny_mnist, tmp_path):
+    bad = broken(write_digits(tiny_mnist, tmp_path / "digits"), how)
+    with pytest.raises(UserError, match=re.escape(message.format(bad=bad))):
+        predict_here(
+            "--predict", tmp_path / "digits" / "*.png", "--predict_csv", tmp_path / "p.csv"
+        )
+    assert not (tmp_path / "p.csv").exists()
+
+
+@pytest.mark.slow
+def test_a_glob_that_matches_no_image_says_so(tmp_path):
+    (tmp_path / "notes.txt").write_text("no image")
+    pattern = tmp_path / "*"
+    with pytest.raises(UserError, match=re.escape(f"--predict '{pattern}' matches no image files")):
+        predict_here("--predict", pattern)
+
+
+@pytest.mark.slow
+def test_predict_settings_are_checked():
+    mnist = load_recipe("mnist")
+    for args, message in [
+        (["--predict", "x.png"], "predict needs weights: add --weights FILE"),
+        (
+            ["--predict", "x.png", "--weights", "m.safetensors", "--eval_only"],
+            "choose one of predict",
+        ),
+        (["--predict", "x.png", "--weights", "m.safetensors", "--export", "onnx"], "and export"),
+        (["--top_k", "0"], "top_k must be 1 to 10 (the classes), got 0"),
+        (["--top_k", "11"], "top_k must be 1 to 10 (the classes), got 11"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_config(mnist.Config, args)
+
+
+@pytest.mark.slow
+def test_a_bad_image_is_one_line_on_one_and_on_two_processes(
+    mnist_checkpoint, tiny_mnist, tmp_path
+):
+    bad = broken(write_digits(tiny_mnist, tmp_path / "digits"), "rgb")  # in rank 1's share
+    args = [MNIST, "--predict", tmp_path / "digits" / "*.png"]
+    args += ["--weights", mnist_checkpoint / "model.safetensors", "--output_dir", tmp_path / "out"]
+    line = f"error: {bad} is a RGB 28x28 image; BasicNet takes 28x28 greyscale ('L'): convert it"
+    one = launch(args, launcher="python")
+    assert one.returncode == 2 and one.output.strip().splitlines() == [
+        line + " or change the model"
+    ]
+    two = launch(args, nproc=2)  # rank 0 says rank 1's problem
+    assert error_lines(two) == [line + " or change the model"], two
+    assert not (tmp_path / "out").exists()
