@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 DEMO_OUT ?= runs/mnist-demo
 UNET_DEMO_OUT ?= runs/unet-demo
 
-.PHONY: help venv demo demo-unet demo-ddp lint format test test-full stress gpu-check clean
+.PHONY: help venv demo demo-unet demo-sweep demo-ddp lint format test test-full stress gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z_/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -29,6 +29,13 @@ demo-unet: $(BIN)/.installed data/shapes  ## train a small U-Net on the generate
 	rm -rf $(UNET_DEMO_OUT)
 	$(BIN)/accelerate launch -q --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \
 		recipes/unet.py --dataset data/shapes --base_channels 16 --lr 3e-3 --epochs 6 --output_dir $(UNET_DEMO_OUT)
+
+# A new study each time (the same command again would continue the finished one: docs/sweeps.md).
+demo-sweep: $(BIN)/.installed  ## an Optuna sweep: 8 MNIST trials over lr and batch size, losers pruned (~2 min on the CPU)
+	rm -rf runs/sweeps/mnist-demo
+	$(BIN)/python scripts/sweep.py --study mnist-demo --trials 8 --prune_after 3 --seed 0 \
+		--param lr=loguniform:0.03:3 --param batch_size=choice:32,64,128 \
+		-- recipes/mnist.py --dataset data/mnist_sample --epochs 3
 
 data/shapes: scripts/make_shapes.py | $(BIN)/.installed  ## 200 images with exact masks, the U-Net's demo data
 	$(BIN)/python scripts/make_shapes.py --out $@

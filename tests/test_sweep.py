@@ -1,0 +1,222 @@
+"""scripts/sweep.py: Optuna studies whose trials are real launches of a recipe. A sweep is
+pruned, stopped with Ctrl-C and continued; a killed sweep's trial is taken over; two sweep
+processes share one study."""
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+import scripts.sweep as sweep
+
+EPOCHS = 6
+
+
+def sweep_command(data, out, *more, trials=3, epochs=EPOCHS):
+    """A sweep over MNIST on tiny_mnist (8 steps an epoch): lr is 1.0 (learns) or 1e-4 (does
+    not); the sampler's seed 0 draws 1e-4, 1.0, then 1e-4 again from a fresh process."""
+    return [
+        sys.executable,
+        "scripts/sweep.py",
+        "--study",
+        "tiny",
+        "--out",
+        out,
+        "--trials",
+        trials,
+        "--poll_s",
+        0.05,
+        *more,
+        "--",
+        "recipes/mnist.py",
+        "--dataset",
+        data,
+        "--epochs",
+        epochs,
+        "--batch_size",
+        32,
+        "--eval_batch_size",
+        512,
+    ]
+
+
+def start(command):
+    """The sweep in a session of its own, as a terminal starts it: Ctrl-C is os.killpg."""
+    return subprocess.Popen(
+        [str(c) for c in command],
+        cwd=REPO,
+        env={**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc, timeout=240):
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def epochs_of(folder):
+    lines = (Path(folder) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["epoch"] for line in lines]
+
+
+def launches(folder):
+    """The commands that launch.log shows the trial was launched with."""
+    log = (Path(folder) / "launch.log").read_text().splitlines()
+    return [line for line in log if line.startswith("$ ")]
+
+
+def wait_for(condition, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_sweep_prunes_a_loser_and_continues_a_trial_cut_off_by_ctrl_c(tiny_mnist, tmp_path):
+    out = tmp_path / "sweep"
+    command = sweep_command(
+        tiny_mnist,
+        out,
+        "--seed",
+        0,
+        "--prune_after",
+        1,
+        "--param",
+        "lr=choice:1.0,0.0001",
+        "--param",
+        "gamma=uniform:0.5:0.9",
+    )
+    # Ctrl-C once trial 1 (lr 1.0) has finished its first epoch: it stops at a checkpoint.
+    proc = start(command)
+    trial_1 = out / "trial-0001"
+    wait_for(lambda: (trial_1 / "metrics.jsonl").exists(), proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, output = finish(proc)
+    assert code == 130, output
+    assert "trial 1: stopped at a checkpoint" in output, output
+    assert (trial_1 / "checkpoints").is_dir() and not (trial_1 / "model.safetensors").exists()
+    assert epochs_of(trial_1) != list(range(1, EPOCHS + 1)), "trial 1 ended before Ctrl-C"
+
+    # The same command continues: trial 1 from its checkpoint, then trial 2, which is pruned.
+    code, output = finish(start(command))
+    assert code == 0, output
+    assert launches(trial_1)[1].endswith("--resume latest"), launches(trial_1)
+    assert "resumed from" in (trial_1 / "launch.log").read_text()
+    assert "step 0)" not in (trial_1 / "launch.log").read_text()  # not from scratch
+    assert epochs_of(trial_1) == list(range(1, EPOCHS + 1))
+    table = output[output.index("trial  state") :].splitlines()
+    assert [row.split()[:2] for row in table[1:4]] == [
+        ["0", "complete"],
+        ["1", "complete"],
+        ["2", "pruned"],
+    ], output
+    assert len(epochs_of(out / "trial-0002")) < EPOCHS
+    assert len(launches(out / "trial-0002")) == 1
+    assert table[4] == f"best: trial 1, accuracy {table[2].split()[2]}:", output
+    assert table[5].strip() == without_port(launches(trial_1)[0]), output
+    assert (out / "study.db").is_file()  # SQLite by default
+
+
+def without_port(launch_line):
+    """The command of a launch.log line, less the port the sweep picked for that launch."""
+    words = shlex.split(launch_line[2:])
+    i = words.index("--main_process_port")
+    return shlex.join(words[:i] + words[i + 2 :])
+
+
+@pytest.mark.slow
+def test_a_killed_sweeps_trial_is_taken_over_and_two_sweeps_share_one_study(tiny_mnist, tmp_path):
+    out, journal = tmp_path / "sweep", tmp_path / "shared" / "study.journal"
+    journal.parent.mkdir()
+    epochs = 8
+    command = sweep_command(
+        tiny_mnist,
+        out,
+        "--storage",
+        journal,
+        "--pruner",
+        "none",
+        "--param",
+        "lr=loguniform:0.1:2",
+        trials=2,
+        epochs=epochs,
+    )
+    # kill -9 of the sweep alone, as a lost login session leaves it: its trial goes on training.
+    killed = start(command)
+    trial_0 = out / "trial-0000"
+    wait_for(lambda: (trial_0 / "metrics.jsonl").exists(), killed)
+    killed.kill()
+    killed.communicate()
+    # Two sweep processes on the study: one takes trial 0 over (stops its run at a checkpoint and
+    # continues it), the other runs trial 1; neither runs a trial the other runs.
+    first, second = start(command), start(command)
+    results = [finish(first), finish(second)]
+    assert [code for code, _ in results] == [0, 0], results
+    outputs = "".join(output for _, output in results)
+    assert "trial-0000: the run of a sweep that was killed is still going" in outputs, outputs
+    assert launches(trial_0)[1].endswith("--resume latest"), launches(trial_0)
+    folders = sorted(out.glob("trial-*"))
+    assert [f.name for f in folders] == ["trial-0000", "trial-0001"]
+    for folder in folders:
+        assert len(launches(folder)) == (2 if folder == trial_0 else 1), folder
+        assert epochs_of(folder) == list(range(1, epochs + 1)), folder
+    finished = [re.findall(r"^trial (\d+): accuracy", output, re.M) for _, output in results]
+    assert sorted(finished) == [["0"], ["1"]], outputs  # one trial each
+    assert journal.is_file()
+
+
+def run_here(argv, capsys):
+    """scripts/sweep.py's main() in this process: (exit status, stderr)."""
+    with pytest.raises(SystemExit) as stopped:
+        sweep.main([str(a) for a in argv])
+    return stopped.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--study", "s", "--param", "lr=log:1:2", "--", "recipes/mnist.py"],
+            "--param 'lr=log:1:2': write NAME=loguniform:LOW:HIGH, uniform:LOW:HIGH, int:LOW:HIGH "
+            "or choice:A,B,C",
+        ),
+        (
+            ["--study", "s", "--param", "lr=loguniform:0:1", "--", "recipes/mnist.py"],
+            "LOW must be below HIGH (and above 0 for loguniform)",
+        ),
+        (
+            ["--study", "s", "--param", "lr=uniform:0.1:1"],
+            "give the recipe after --, as after accelerate launch: -- recipes/mnist.py",
+        ),
+        (
+            ["--study", "s", "--param", "lr=uniform:0.1:1", "--", "recipes/mnist.py", "--lr", 1],
+            "--lr is given after -- and set by the sweep: leave it out of the recipe's settings",
+        ),
+    ],
+)
+def test_a_bad_sweep_command_is_one_line(argv, message, capsys):
+    code, err = run_here(argv, capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+def test_a_sweep_without_optuna_names_the_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "optuna", None)  # what `import optuna` meets when missing
+    argv = ["--study", "s", "--param", "lr=uniform:0.1:1", "--", "recipes/mnist.py"]
+    code, err = run_here(argv, capsys)
+    assert (code, err) == (
+        2,
+        "error: sweeps need the optuna package: pip install -r requirements-extras.txt\n",
+    )
