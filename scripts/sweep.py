@@ -246,8 +246,9 @@ class Sweep:
             log.flush()
             # A process group of its own: the pruner's SIGTERM reaches the launcher and the recipe,
             # and not this process. Ctrl-C reaches the trial through Stop.
+            env = {"TQDM_DISABLE": "1", **os.environ}  # no progress bars in launch.log
             proc = subprocess.Popen(
-                launch, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                launch, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
             self.stop.trial = proc
             while True:

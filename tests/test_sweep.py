@@ -125,6 +125,7 @@ def test_a_sweep_prunes_a_loser_and_continues_a_trial_cut_off_by_ctrl_c(tiny_mni
     ], output
     assert len(epochs_of(out / "trial-0002")) < EPOCHS
     assert len(launches(out / "trial-0002")) == 1
+    assert "stopped at step" in (out / "trial-0002" / "launch.log").read_text()  # a checkpoint
     assert table[4] == f"best: trial 1, accuracy {table[2].split()[2]}:", output
     assert table[5].strip() == without_port(launches(trial_1)[0]), output
     assert (out / "study.db").is_file()  # SQLite by default
