@@ -165,14 +165,10 @@ class Sweep:
 
     def open_study(self):
         optuna = self.optuna
-        storage = self.args.storage or str(self.out / "study.db")
-        if "://" not in storage:
-            if storage.endswith((".db", ".sqlite", ".sqlite3")):
-                storage = f"sqlite:///{Path(storage).resolve()}"
-            else:
-                from optuna.storages.journal import JournalFileBackend, JournalStorage
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+        from sqlalchemy.exc import SQLAlchemyError
 
-                storage = JournalStorage(JournalFileBackend(str(storage)))
+        spec = self.args.storage or str(self.out / "study.db")
         pruner = {
             "median": optuna.pruners.MedianPruner(
                 n_startup_trials=self.args.prune_after, n_warmup_steps=self.args.prune_warmup
@@ -180,14 +176,27 @@ class Sweep:
             "halving": optuna.pruners.SuccessiveHalvingPruner(),
             "none": optuna.pruners.NopPruner(),
         }[self.args.pruner]
-        study = optuna.create_study(
-            storage=storage,
-            study_name=self.args.study,
-            direction=self.args.direction,
-            sampler=optuna.samplers.TPESampler(seed=self.args.seed),
-            pruner=pruner,
-            load_if_exists=True,
-        )
+        try:
+            if "://" in spec:  # a database URL
+                storage = spec
+            elif spec.endswith((".db", ".sqlite", ".sqlite3")):
+                storage = f"sqlite:///{Path(spec).resolve()}"
+            else:  # a journal file
+                storage = JournalStorage(JournalFileBackend(spec))
+            study = optuna.create_study(
+                storage=storage,
+                study_name=self.args.study,
+                direction=self.args.direction,
+                sampler=optuna.samplers.TPESampler(seed=self.args.seed),
+                pruner=pruner,
+                load_if_exists=True,
+            )
+        except (ImportError, OSError, SQLAlchemyError) as e:  # no driver, no folder, no server
+            why = str(e).strip().splitlines()[0][:200]
+            raise SweepError(
+                f"cannot open the study's storage {spec} ({why}): check --storage; a database "
+                f"URL needs its driver (postgresql: pip install psycopg2-binary)"
+            ) from None
         if study.direction.name.lower() != self.args.direction:
             raise SweepError(
                 f"study {self.args.study} is to {study.direction.name.lower()} its metric: pass "

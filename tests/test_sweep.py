@@ -213,6 +213,16 @@ def test_a_bad_sweep_command_is_one_line(argv, message, capsys):
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err
 
 
+def test_a_storage_that_cannot_open_is_one_line(tmp_path, capsys):
+    for storage in (tmp_path / "no" / "study.journal", tmp_path / "no" / "study.db"):
+        argv = ["--study", "s", "--out", tmp_path / "sweep", "--storage", storage]
+        code, err = run_here(
+            [*argv, "--param", "lr=uniform:0.1:1", "--", "recipes/mnist.py"], capsys
+        )
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"error: cannot open the study's storage {storage} ("), err
+
+
 def test_a_sweep_without_optuna_names_the_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "optuna", None)  # what `import optuna` meets when missing
     argv = ["--study", "s", "--param", "lr=uniform:0.1:1", "--", "recipes/mnist.py"]
