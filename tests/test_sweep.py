@@ -48,12 +48,16 @@ def sweep_command(data, out, *more, trials=3, epochs=EPOCHS):
     ]
 
 
-def start(command):
-    """The sweep in a session of its own, as a terminal starts it: Ctrl-C is os.killpg."""
+def start(command, threads=None):
+    """The sweep in a session of its own, as a terminal starts it: Ctrl-C is os.killpg.
+    threads: torch's threads in each trial (two trials at once on 2 cores: 1 each)."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONUNBUFFERED": "1"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     return subprocess.Popen(
         [str(c) for c in command],
         cwd=REPO,
-        env={**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONUNBUFFERED": "1"},
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -163,7 +167,7 @@ def test_a_killed_sweeps_trial_is_taken_over_and_two_sweeps_share_one_study(tiny
     killed.communicate()
     # Two sweep processes on the study: one takes trial 0 over (stops its run at a checkpoint and
     # continues it), the other runs trial 1; neither runs a trial the other runs.
-    first, second = start(command), start(command)
+    first, second = start(command, threads=1), start(command, threads=1)
     results = [finish(first), finish(second)]
     assert [code for code, _ in results] == [0, 0], results
     outputs = "".join(output for _, output in results)
