@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -81,16 +82,7 @@ def launch(
         ]
     else:
         raise ValueError(launcher)
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(
-        [str(c) for c in cmd],
-        cwd=REPO,
-        env=full_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start(cmd, env)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -105,6 +97,32 @@ def launch(
         out, _ = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-4000:]}")
     return Result(proc, out)
+
+
+def start(cmd, env=None, stdout=subprocess.PIPE):
+    """Start `cmd` in the repository, in a session of its own as a terminal starts a job (Ctrl-C
+    is os.killpg), its output (unbuffered, stderr with it) to `stdout`: the Popen."""
+    return subprocess.Popen(
+        [str(c) for c in cmd],
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def wait_for(predicate, proc, timeout=120):
+    """Poll until predicate() is true; fail if `proc` (a start()ed one) ends first or it takes
+    longer than `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            output = proc.stdout.read()[-3000:] if proc.stdout else "(output in its file)"
+            pytest.fail(f"exited early with {proc.returncode}:\n{output}")
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def predict_here(recipe, weights, pattern, out):

@@ -4,8 +4,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -21,7 +19,9 @@ from conftest import (
     free_port,
     launch,
     read_metrics,
+    start,
     stopped_at,
+    wait_for,
 )
 from safetensors.torch import load_file
 
@@ -338,28 +338,6 @@ def test_old_ddp_checkpoint_with_module_prefix_loads(mnist_checkpoint, tmp_path)
         assert_identical(model.state_dict(), state)
 
 
-def _wait_for(predicate, proc, timeout=120):
-    deadline = time.time() + timeout
-    while not predicate():
-        assert proc.poll() is None, (
-            f"exited early with {proc.returncode}: {proc.stdout.read()[-3000:]}"
-        )
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.2)
-
-
-def _start(cmd, out):
-    return subprocess.Popen(
-        [str(c) for c in cmd],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-
-
 @pytest.mark.slow
 def test_ctrl_c_writes_a_checkpoint_on_every_rank_and_resume_finishes(tiny_mnist, tmp_path):
     cmd = [
@@ -381,9 +359,9 @@ def test_ctrl_c_writes_a_checkpoint_on_every_rank_and_resume_finishes(tiny_mnist
         "--eval_batch_size",
         512,
     ]
-    proc = _start(cmd, tmp_path)
+    proc = start(cmd)
     try:
-        _wait_for(lambda: (tmp_path / "metrics.jsonl").exists(), proc)
+        wait_for(lambda: (tmp_path / "metrics.jsonl").exists(), proc)
         os.killpg(
             proc.pid, signal.SIGINT
         )  # what Ctrl-C in the terminal does: every process gets it
@@ -440,9 +418,9 @@ def test_torchrun_restarts_a_killed_worker_from_the_latest_checkpoint(tiny_mnist
         "--eval_batch_size",
         512,
     ]
-    proc = _start(cmd, tmp_path)
+    proc = start(cmd)
     try:
-        _wait_for(lambda: len(list((tmp_path / "checkpoints").glob("step-*"))) >= 2, proc)
+        wait_for(lambda: len(list((tmp_path / "checkpoints").glob("step-*"))) >= 2, proc)
         workers = [
             p
             for p in psutil.Process(proc.pid).children(recursive=True)

@@ -6,12 +6,10 @@ early-stopping run), the U-Net's panels in test_unet_training.py."""
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
-from conftest import REPO, assert_ok, launch, read_metrics
+from conftest import assert_ok, launch, read_metrics, start, wait_for
 
 RECIPE = "recipes/mnist.py"
 # 256 train samples, batch 32: 8 optimizer steps an epoch.
@@ -32,20 +30,9 @@ def kill_when(args, done, log):
     """Run `python RECIPE args` as launch() does and SIGKILL it, as a crash or a lost machine
     would, as soon as done() is true; its output goes to `log`."""
     with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, *map(str, args)],
-            cwd=REPO,
-            env={**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONUNBUFFERED": "1"},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        proc = start([sys.executable, *args], {"ACCELERATE_USE_CPU": "1"}, stdout=out)
         try:
-            deadline = time.time() + 120
-            while not done():
-                assert proc.poll() is None, f"exited early:\n{log.read_text()[-3000:]}"
-                assert time.time() < deadline, f"timed out:\n{log.read_text()[-3000:]}"
-                time.sleep(0.05)
+            wait_for(done, proc)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
