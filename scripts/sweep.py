@@ -236,12 +236,12 @@ class Sweep:
             return trial, params, None
 
     def run_trial(self, trial, params, reported):
-        """Launch the trial (again, from its checkpoint, if `resume`), report each epoch's metric
-        to the pruner, and SIGTERM it once the pruner says so. Its output goes to launch.log.
-        reported: a continued trial's epochs reported before; None: a new trial."""
+        """Launch the trial, report each epoch's metric to the pruner, and SIGTERM it once the
+        pruner says so. Its output goes to launch.log. reported: the epochs reported before by a
+        trial that continues (launched again with --resume latest); None: a new trial."""
         resume, reported = reported is not None, reported or set()
         command = trial.user_attrs["command"]
-        folder = Path(command[command.index("--output_dir") + 1])
+        folder = Path(trial_folder(trial))
         folder.mkdir(parents=True, exist_ok=True)
         if resume:
             stop_leftover_run(folder)
@@ -325,8 +325,9 @@ class Sweep:
         return 0
 
 
-def trial_folder(frozen):
-    command = frozen.user_attrs["command"]
+def trial_folder(trial):
+    """The trial's output_dir, from the command it was given."""
+    command = trial.user_attrs["command"]
     return command[command.index("--output_dir") + 1]
 
 
