@@ -436,6 +436,7 @@ class RunConfig:
     weights: str | None = None  # model.safetensors (or a state_dict .pt) to start from
     export: str = ""  # onnx: write `weights` as a checked .onnx file beside it (docs/export.md)
     predict: str | None = None  # image files (a glob) to label with --weights; see the recipe
+    check_data: bool = False  # print the data's classes and notes, draw output_dir/data_check.png
     # Logging: metrics.jsonl is always written; log_with also sends it to a tracker.
     log_with: str = "none"  # none, tensorboard or wandb (requirements-extras.txt)
     log_every: int = 50  # optimizer steps between logged training scalars
@@ -487,6 +488,8 @@ class RunConfig:
         require(not self.predict or self.weights, "predict needs weights: add --weights FILE")
         require(not (self.predict and self.eval_only), "choose one of predict and eval_only")
         require(not (self.predict and self.export), "choose one of predict and export")
+        modes = [m for m in ("check_data", "eval_only", "predict", "export") if getattr(self, m)]
+        require(len(modes) < 2 or "check_data" not in modes, f"choose one of {' and '.join(modes)}")
 
     def scaled_lr(self, processes):
         """lr, times processes x accumulation steps with scale_lr (the linear scaling rule)."""

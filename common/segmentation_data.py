@@ -24,8 +24,10 @@ then stands for IGNORE), int32 beyond. Behind load_segmentation():
   similar sizes under a pixel budget (common.sampler.bucket_loader).
 """
 
+import csv
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,6 +36,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from common.cache import cached_tensors, read_json, write_json
+from common.config import ConfigError, require
 from common.data import (
     IMAGE_ERRORS,
     DataError,
@@ -108,8 +111,76 @@ def show_value(value, colour):
 
 
 def show_values(values, colour, most=8):
-    shown = ",".join(show_value(v, colour) for v in list(values)[:most])
+    """Values (or names, with colour False) as a list of up to `most`, then how many in all."""
+    shown = ",".join(
+        str(v) if isinstance(v, str) else show_value(v, colour) for v in list(values)[:most]
+    )
     return shown + (f",... ({len(values)} in all)" if len(values) > most else "")
+
+
+def parse_value(text):
+    """A mask value as the settings write it: 255, or a colour #rrggbb as 0xRRGGBB; else None."""
+    text = text.strip()
+    try:
+        return int(text[1:], 16) if text.startswith("#") and len(text) == 7 else int(text)
+    except ValueError:
+        return None
+
+
+def parse_values(text, where, names=None):
+    """'0,85,170' -> [0, 85, 170], and colours '#800000' -> 0x800000: distinct non-negative
+    integers, or a ConfigError. names: {class name: mask value}, for values given by name (an
+    --ignore_index Void of a --class_names file that gives the values)."""
+    values = [
+        names[v.strip()] if names and v.strip() in names else parse_value(v)
+        for v in str(text).split(",")
+    ]
+    ok = values and None not in values and min(values) >= 0 and len(set(values)) == len(values)
+    by_name = f", or names of --class_names ({', '.join(names)})" if names else ""
+    require(
+        ok,
+        f"{where} must be distinct non-negative integers or #rrggbb colours{by_name}, separated "
+        f"by commas, like 0,255; got {text!r}",
+    )
+    return values
+
+
+def read_class_names(text):
+    """--class_names as (names, mask values or None), in class order. `text` is a list, such as
+    road,car,sky or pet=1,background=2, or a file: a name a line (name=value too), or CSV rows
+    name,value or name,r,g,b (CamVid's class_dict.csv; a header row is skipped). Where every
+    class has a value (colours as 0xRRGGBB), they are the classes' mask values."""
+    path = Path(text)
+    if path.suffix.lower() in (".csv", ".txt") or path.is_file():
+        if not path.is_file():
+            raise ConfigError(f"class_names file {path} does not exist: check --class_names")
+        with open(path, newline="") as f:
+            rows = [r for r in csv.reader(f) if r and r[0].strip()]
+        if len(rows[0]) > 1 and parse_value(rows[0][1]) is None:
+            rows = rows[1:]  # a header, such as name,r,g,b
+    else:
+        rows = [[item] for item in str(text).split(",")]
+    names, values = [], []
+    for row in rows:
+        cells = [c.strip() for c in (row[0].split("=", 1) if len(row) == 1 else row)]
+        if len(cells) == 4 and None not in map(parse_value, cells[1:]):
+            r, g, b = map(parse_value, cells[1:])
+            cells = [cells[0], f"#{r:02x}{g:02x}{b:02x}"]
+        names.append(cells[0])
+        values.append(parse_value(cells[1]) if len(cells) == 2 else None)
+    where = path if path.is_file() else repr(text)
+    require(
+        all(names) and len(set(names)) == len(names),
+        f"class_names {where} must give distinct names, one per class; got {names}",
+    )
+    if all(v is None for v in values):
+        return tuple(names), None
+    require(
+        None not in values and len(set(values)) == len(values),
+        f"class_names {where} must give every class a distinct mask value (name,value or "
+        f"name,r,g,b; values 0 or more, colours 0..255), or none",
+    )
+    return tuple(names), tuple(values)
 
 
 @dataclass(frozen=True)
@@ -123,6 +194,16 @@ class MaskClasses:
     ignored: tuple = ()
     unlisted_ignored: bool = False
     colour: bool = False
+    names: tuple | None = None  # a name per class (--class_names); None: none given
+
+    @property
+    def labels(self):
+        """Each class's name, or where none was given its mask value as the settings take it."""
+        return list(self.names or (show_value(v, self.colour) for v in self.values))
+
+    def cache_key(self):
+        """What decides the class masks: everything but the names."""
+        return {k: v for k, v in asdict(self).items() if k != "names"}
 
     @property
     def dtype(self):
@@ -158,37 +239,52 @@ def as_classes(stored):
 
 
 def mask_stats(codes):
-    """{value: (pixels, interior pixels)} of a mask's codes [H, W]. A pixel is interior when its
-    4 neighbours hold its value: the values of a class fill regions, those that interpolation or
-    JPEG leave lie along edges."""
+    """{value: (pixels, interior pixels, edges)} of a mask's codes [H, W]. A pixel is interior
+    when its 4 neighbours hold its value: the values of a class fill regions, those that
+    interpolation or JPEG leave lie along edges. edges: the pairs of neighbouring pixels of two
+    different values that have this value on one side; a void band (VOC's 255, the border of
+    the Oxford-IIIT Pet's trimaps) is on one side of nearly every such pair."""
     inner = codes[1:-1, 1:-1]
     same = inner == codes[:-2, 1:-1]
     for neighbour in (codes[2:, 1:-1], codes[1:-1, :-2], codes[1:-1, 2:]):
         same &= inner == neighbour
+    across, down = codes[:, :-1] != codes[:, 1:], codes[:-1] != codes[1:]
+    ends = [codes[:, :-1][across], codes[:, 1:][across], codes[:-1][down], codes[1:][down]]
+    ends = np.concatenate(ends)
     if codes.dtype.kind in "ub" and codes.dtype.itemsize <= 2:  # grey levels, palette indices
         pixels = np.bincount(codes.ravel())
         interior = np.bincount(inner[same], minlength=len(pixels))
-        return {int(v): (int(pixels[v]), int(interior[v])) for v in np.flatnonzero(pixels)}
+        edges = np.bincount(ends, minlength=len(pixels))
+        return {
+            int(v): (int(pixels[v]), int(interior[v]), int(edges[v]))
+            for v in np.flatnonzero(pixels)
+        }
     values, pixels = np.unique(codes, return_counts=True)
     interior = dict(zip(*(x.tolist() for x in np.unique(inner[same], return_counts=True))))
-    return {int(v): (int(n), interior.get(int(v), 0)) for v, n in zip(values, pixels)}
+    edges = dict(zip(*(x.tolist() for x in np.unique(ends, return_counts=True))))
+    return {
+        int(v): (int(n), interior.get(int(v), 0), edges.get(int(v), 0))
+        for v, n in zip(values, pixels)
+    }
 
 
-# The fields of Scan.values[v]: masks holding v, one of them, v's pixels, its interior pixels, and
-# its pixels in the first (training) split.
-MASKS, NAME, PIXELS, INTERIOR, TRAIN_PIXELS = range(5)
+# The fields of Scan.values[v]: masks holding v, one of them, v's pixels, its interior pixels,
+# its pixels in the first (training) split, and the edges between two values that it is on.
+MASKS, NAME, PIXELS, INTERIOR, TRAIN_PIXELS, EDGES = range(6)
 
 
 @dataclass
 class Scan:
     """What the scan of every pair found: values {mask value: [MASKS, NAME, PIXELS, INTERIOR,
-    TRAIN_PIXELS]}, sizes: per split, (height, width) of each image in order, modes: {image
-    mode: an image of that mode}, colour: the masks hold colours."""
+    TRAIN_PIXELS, EDGES]}, sizes: per split, (height, width) of each image in order, modes:
+    {image mode: an image of that mode}, colour: the masks hold colours, palette: the colours
+    (r, g, b, r, g, b, ...) of the masks' palette, if they are palette PNGs (VOC's), else None."""
 
     values: dict
     sizes: list
     modes: dict
     colour: bool
+    palette: list | None = None
 
     def to_json(self):
         return {**asdict(self), "values": [[v, *stats] for v, stats in self.values.items()]}
@@ -197,16 +293,18 @@ class Scan:
     def from_json(cls, stored):
         values = {entry[0]: entry[1:] for entry in stored["values"]}
         sizes = [[tuple(size) for size in split] for split in stored["sizes"]]
-        return cls(values, sizes, stored["modes"], stored["colour"])
+        return cls(values, sizes, stored["modes"], stored["colour"], stored["palette"])
 
 
 def scan_share(accelerator, splits):
-    """This process's share of the scan: (values, sizes, modes, mask kinds, problems)."""
-    found, sizes, modes, kinds, problems = {}, {}, {}, {}, []
+    """This process's share of the scan: (values, sizes, modes, mask kinds, palette, problems)."""
+    found, sizes, modes, kinds, palette, problems = {}, {}, {}, {}, None, []
     items = [(s, i) for s, split in enumerate(splits) for i in range(len(split))]
     for s, i in items[accelerator.process_index :: accelerator.num_processes]:
         try:
             image, mask, name = splits[s][i]
+            if palette is None and getattr(mask, "mode", None) == "P":
+                palette = mask.getpalette()
             mask = mask_array(mask, name)
         except (DataError, OSError, Image.DecompressionBombError) as e:  # OSError: PIL's
             problems.append(str(e))
@@ -215,13 +313,14 @@ def scan_share(accelerator, splits):
         sizes[s, i] = codes.shape
         modes.setdefault(image.mode, getattr(image, "filename", "") or name)
         kinds.setdefault("colour" if mask.ndim == 3 else "grey", name)
-        for v, (pixels, interior) in mask_stats(codes).items():
-            stats = found.setdefault(v, [0, name, 0, 0, 0])
+        for v, (pixels, interior, edges) in mask_stats(codes).items():
+            stats = found.setdefault(v, [0, name, 0, 0, 0, 0])
             stats[MASKS] += 1
             stats[PIXELS] += pixels
             stats[INTERIOR] += interior
             stats[TRAIN_PIXELS] += pixels if s == 0 else 0
-    return found, sizes, modes, kinds, problems
+            stats[EDGES] += edges
+    return found, sizes, modes, kinds, palette, problems
 
 
 def scan_pairs(accelerator, splits, *, remember=False):
@@ -235,8 +334,8 @@ def scan_pairs(accelerator, splits, *, remember=False):
     stored = read_json(key, code=code) if remember else None
     if all(gather_object([stored is not None])):  # every rank has it, or all scan
         return Scan.from_json(stored)
-    values, all_sizes, modes, kinds = {}, {}, {}, {}
-    for found_at, sizes_at, modes_at, kinds_at, problems_at in gather_object(
+    values, all_sizes, modes, kinds, palette = {}, {}, {}, {}, None
+    for found_at, sizes_at, modes_at, kinds_at, palette_at, problems_at in gather_object(
         [scan_share(accelerator, splits)]
     ):
         if problems_at:
@@ -244,9 +343,10 @@ def scan_pairs(accelerator, splits, *, remember=False):
         all_sizes.update(sizes_at)
         modes = {**modes_at, **modes}
         kinds = {**kinds_at, **kinds}
+        palette = palette or palette_at
         for v, stats in found_at.items():
-            merged = values.setdefault(v, [0, stats[NAME], 0, 0, 0])
-            for field in (MASKS, PIXELS, INTERIOR, TRAIN_PIXELS):
+            merged = values.setdefault(v, [0, stats[NAME], 0, 0, 0, 0])
+            for field in (MASKS, PIXELS, INTERIOR, TRAIN_PIXELS, EDGES):
                 merged[field] += stats[field]
     if len(kinds) > 1:
         raise DataError(
@@ -254,7 +354,7 @@ def scan_pairs(accelerator, splits, *, remember=False):
             f"palette indices: save all masks alike"
         )
     sizes = [[all_sizes[s, i] for i in range(len(split))] for s, split in enumerate(splits)]
-    scan = Scan(dict(sorted(values.items())), sizes, modes, "colour" in kinds)
+    scan = Scan(dict(sorted(values.items())), sizes, modes, "colour" in kinds, palette)
     if remember and accelerator.is_main_process:
         write_json(key, scan.to_json(), code=code)
     return scan
@@ -348,16 +448,107 @@ def choose_classes(scan, asked, *, num_classes, fixed):
             f"masks as PNG, resized by nearest neighbour, or set --mask_values to the values "
             f"that are classes"
         )
-    notes = []
-    others = [v for v in values if v != VOID]
-    if not given and VOID in values and len(others) >= 2 and max(others) < 64:
-        notes.append(
-            f"note: mask value {VOID} looks like a void label (the other values are "
-            f"{min(others)}..{max(others)}, as in Pascal VOC), and is a class of its own now: "
-            f"--ignore_index {VOID} leaves its pixels out of the loss and the metrics"
+    names = asked.names
+    if names is not None and len(names) != len(values):
+        raise DataError(
+            f"--class_names gives {len(names)} names for the {len(values)} classes (mask values "
+            f"{shown}): give one name per class, in class order"
         )
-    classes = MaskClasses(tuple(values), tuple(sorted(ignored)), asked.unlisted_ignored, colour)
+    notes = [] if given else void_notes(found, values, colour)
+    classes = MaskClasses(
+        tuple(values), tuple(sorted(ignored)), asked.unlisted_ignored, colour, names
+    )
     return classes, num_classes, notes
+
+
+BAND_SHARE = 0.9  # a void band is on one side of at least this share of the edges between values
+
+
+def void_notes(found, values, colour):
+    """A start-up note for a value found among the classes that looks like a void label: one
+    that lies along the edges between the others, as Pascal VOC's 255 and the border (3) of the
+    Oxford-IIIT Pet's trimaps do (on BAND_SHARE or more of the edges between two values, and on
+    average at most 8 pixels wide: pixels <= 4 x edges, as a band has 2 edges along its length),
+    or VOC's 255 beside small values."""
+    edges = sum(stats[EDGES] for stats in found.values()) / 2  # each edge is on two values
+    band = [
+        v
+        for v in values
+        if len(values) >= 3
+        and found[v][EDGES] >= BAND_SHARE * edges
+        and found[v][PIXELS] <= 4 * found[v][EDGES]
+    ]
+    others = [v for v in values if v != VOID]
+    if band:
+        v = band[0]
+        why = (
+            f"lies along the edges between the others (on {found[v][EDGES] / edges:.0%} of "
+            f"them), as a void or unlabelled band does"
+        )
+    elif VOID in values and len(others) >= 2 and max(others) < 64:
+        v = VOID
+        why = (
+            f"looks like a void label (the other values are {min(others)}..{max(others)}, as in "
+            f"Pascal VOC)"
+        )
+    else:
+        return []
+    shown = show_value(v, colour)
+    return [
+        f"note: mask value {shown} {why}, and is a class of its own now: --ignore_index {shown} "
+        f"leaves its pixels out of the loss and the metrics"
+    ]
+
+
+def background_class(classes, class_pixels, asked=""):
+    """The index of the background class: `asked` (a mask value as the settings take it, or a
+    class's name), else the class that holds the most training pixels."""
+    if not asked:
+        return max(range(len(class_pixels)), key=class_pixels.__getitem__)
+    labels = classes.labels
+    shown = [show_value(v, classes.colour) for v in classes.values]
+    for known in (labels, shown):
+        if asked in known:
+            return known.index(asked)
+    raise DataError(
+        f"--background {asked} is neither the mask value nor the name of a class (the classes: "
+        f"{show_values(labels, False, most=len(labels))}): name one of them"
+    )
+
+
+def class_colours(scan, classes):
+    """The dataset's own colour of each class, [[r, g, b], ...], where it has them: the colours
+    of colour masks (CamVid's), or the palette of palette PNG masks (Pascal VOC's); else None."""
+    if classes.colour:
+        return [[(v >> 16) & 255, (v >> 8) & 255, v & 255] for v in classes.values]
+    palette = scan.palette
+    if palette and all(3 * v + 3 <= len(palette) for v in classes.values):
+        return [palette[3 * v : 3 * v + 3] for v in classes.values]
+    return None
+
+
+def class_table(scan, classes):
+    """Lines for the data check: each class (index, name, mask value), its share of the training
+    masks' pixels and how many masks hold it; then the ignored values, and the values no class
+    has (ignore_unlisted)."""
+    total = max(sum(stats[TRAIN_PIXELS] for stats in scan.values.values()), 1)
+    named = classes.names is not None
+    width = max(len(label) for label in classes.labels) + 2
+
+    def row(head, value):
+        stats = scan.values.get(value, [0] * 6)
+        shown = show_value(value, classes.colour)
+        return (
+            f"{head:<{width + 4}}{shown:>10}{stats[TRAIN_PIXELS] / total:>17.2%}{stats[MASKS]:>8}"
+        )
+
+    lines = [f"{'class':<{width + 4}}{'mask value':>10}{'training pixels':>17}{'masks':>8}"]
+    for i, (label, value) in enumerate(zip(classes.labels, classes.values)):
+        lines.append(row(f"{i:<3} {label if named else ''}", value))
+    lines += [row("ignored", v) for v in classes.ignored if v in scan.values]
+    known = {*classes.values, *classes.ignored}
+    lines += [row("unlisted (ignored)", v) for v in scan.values if v not in known]
+    return lines
 
 
 def target_sizes(sizes, *, image_size, scale, bucket_by_size, min_size):
@@ -530,6 +721,9 @@ class SegmentationData:
     in_channels: int  # the setting, or the images' (input_channels of their mode)
     class_pixels: list  # the training masks' pixels of each class
     notes: list  # lines for the start-up: what the data suggests, such as a void label
+    background: int  # the background class: as asked, or the one of the most training pixels
+    colours: list | None  # the dataset's colour of each class (class_colours), or None
+    table: list  # lines of each class's share of the pixels, for the data check (class_table)
     max_batch_pixels: int  # bucket_by_size: the padded pixels of a training batch; else 0
     batch: object  # for describe(): the batch size, or what a bucketed batch holds
     shapes: str  # the images' size, for the start-up line
@@ -540,6 +734,10 @@ class SegmentationData:
     def values(self):
         return list(self.classes.values)
 
+    @property
+    def names(self):
+        return self.classes.labels
+
     def __str__(self):
         classes = self.classes
         sigmoid = " (one sigmoid output)" if self.num_classes == 1 else ""
@@ -547,10 +745,12 @@ class SegmentationData:
         ignored += ["every other value"] if classes.unlisted_ignored else []
         ignored = f"; ignored: {', '.join(ignored)}" if ignored else ""
         colours = "colours" if classes.colour else "values"
+        names = f" ({show_values(classes.names, False, most=12)})" if classes.names else ""
         return (
             f"{self.reading}; {len(self.train_loader.dataset)} train / "
             f"{len(self.val_loader.dataset)} validation images of {self.shapes}; classes: mask "
-            f"{colours} {show_values(classes.values, classes.colour, most=12)}{sigmoid}{ignored}"
+            f"{colours} {show_values(classes.values, classes.colour, most=12)}{names}{sigmoid}"
+            f"{ignored}"
         )
 
 
@@ -561,7 +761,7 @@ def decoded(pairs, classes, mode, sizes, *, fixed, threads, device, cache_decode
     if not fixed:  # images of their own sizes: a list per split, decoded every run
         images, masks = decode_all(pairs, classes, mode, sizes, threads, stack=False)
         return [t.to(device) for t in images], [t.to(device) for t in masks]
-    key = ["segmentation", pairs.identity(), asdict(classes), mode, list(sizes[0])]
+    key = ["segmentation", pairs.identity(), classes.cache_key(), mode, list(sizes[0])]
     code = (type(pairs).__getitem__, decode_pair, MaskClasses)
     images, masks = cached_tensors(
         key,
@@ -593,6 +793,7 @@ def load_segmentation(
     num_workers,
     pad_multiple,
     min_size,
+    background="",
 ):
     """Check every mask on all processes, then build the training and validation loaders: plain
     ones for accelerator.prepare() to shard, or with bucket_by_size, bucketed ones that are
@@ -603,7 +804,8 @@ def load_segmentation(
     it fits CACHE_BUDGET_GB): each process decodes all images once onto its device (a GPU's
     memory is its own) and gathers its batches there, with no workers; cache_decoded: keep
     those decoded tensors, and the scan, on disk for later runs. pad_multiple: padded sides are
-    multiples of it; min_size: the model's smallest side."""
+    multiples of it; min_size: the model's smallest side. background: the background class's
+    mask value or name (background_class)."""
     require_one_batch_per_process(len(train_pairs), batch_size, accelerator, "the training data")
     scan = scan_pairs(accelerator, [train_pairs, val_pairs], remember=cache_decoded)
     classes, num_classes, notes = choose_classes(
@@ -650,8 +852,13 @@ def load_segmentation(
 
     train_set, val_set = dataset(train_pairs, sizes[0], True), dataset(val_pairs, sizes[1], False)
     pin = device.type == "cuda" and not cached  # non_blocking: the copy to the GPU does not wait
-    class_pixels = [scan.values.get(v, [0] * 5)[TRAIN_PIXELS] for v in classes.values]
+    class_pixels = [scan.values.get(v, [0] * 6)[TRAIN_PIXELS] for v in classes.values]
     known = (classes, num_classes, input_size, channels, class_pixels, notes)
+    known += (
+        background_class(classes, class_pixels, background),
+        class_colours(scan, classes),
+        class_table(scan, classes),
+    )
     if not bucket_by_size:  # each loader with its own generator: see seeded_loader
         loaders = [
             seeded_loader(

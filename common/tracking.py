@@ -118,18 +118,85 @@ COLOURS = torch.tensor(
 )
 
 
-def paint(classes):
-    """Class indices [..., H, W] -> uint8 colours [..., H, W, 3]."""
-    classes = classes.clamp(min=0)
-    index = torch.where(classes > 0, (classes - 1) % (len(COLOURS) - 1) + 1, 0)
-    return COLOURS.to(classes.device)[index]
+VOID_COLOUR = (224, 224, 192)  # ignored pixels, as Pascal VOC draws its void
 
 
-def image_panel(x, logits, target, num_classes, count=4):
+def paint(classes, colours=None):
+    """Class indices [..., H, W] -> uint8 colours [..., H, W, 3]: the dataset's own `colours`
+    ([[r, g, b]] per class, where it has them), else COLOURS; ignored pixels (negative) in
+    VOID_COLOUR."""
+    if colours is None:
+        index = torch.where(classes > 0, (classes - 1) % (len(COLOURS) - 1) + 1, 0)
+        painted = COLOURS.to(classes.device)[index]
+    else:
+        table = torch.tensor(colours, dtype=torch.uint8, device=classes.device)
+        painted = table[classes.clamp(min=0)]
+    void = torch.tensor(VOID_COLOUR, dtype=torch.uint8, device=classes.device)
+    return torch.where((classes < 0)[..., None], void, painted)
+
+
+def as_rgb(x):
+    """uint8 images [N, C, H, W] of any channels as RGB: grey for 1 or 2, without alpha for 4."""
+    return x[:, :3] if x.shape[1] >= 3 else x[:, [0, 0, 0]]
+
+
+def image_panel(x, logits, target, num_classes, count=4, colours=None):
     """image | prediction | truth of the first `count` images, side by side: floats
-    [N, 3, H, 3W]. x: uint8 images of any channels, shown as RGB (grey for 1 or 2, without
-    alpha for 4)."""
+    [N, 3, H, 3W], the classes in the dataset's `colours` if it has them (paint)."""
     pred = predicted_classes(logits[:count], num_classes)
-    painted = [paint(c).permute(0, 3, 1, 2) for c in (pred, target[:count])]
-    rgb = x[:count, :3] if x.shape[1] >= 3 else x[:count, [0, 0, 0]]
-    return torch.cat([rgb, *painted], dim=3).float() / 255
+    painted = [paint(c, colours).permute(0, 3, 1, 2) for c in (pred, target[:count])]
+    return torch.cat([as_rgb(x[:count]), *painted], dim=3).float() / 255
+
+
+def overlay(image, classes, *, colours=None, background=0):
+    """An image uint8 [C, H, W] with its classes [H, W] painted on at half strength, where they
+    are not the background: uint8 [H, W, 3]."""
+    rgb = as_rgb(image[None])[0].permute(1, 2, 0).float()
+    painted = 0.5 * rgb + 0.5 * paint(classes, colours).float()
+    return torch.where((classes != background)[..., None], painted, rgb).to(torch.uint8)
+
+
+def save_overlays(samples, path, *, colours=None, background=0, height=192):
+    """One PNG of a row per (image uint8 [C, H, W], classes [H, W]) sample: the image, the image
+    with its classes painted on (overlay), and the classes alone, each row scaled to at most
+    `height` pixels high: what the model is trained on, to look at before training."""
+    from PIL import Image
+
+    rows = []
+    for image, classes in samples:
+        row = torch.cat(
+            [
+                as_rgb(image[None])[0].permute(1, 2, 0),
+                overlay(image, classes, colours=colours, background=background),
+                paint(classes, colours),
+            ],
+            dim=1,
+        )
+        row = Image.fromarray(row.cpu().numpy())
+        if row.height > height:
+            row = row.resize((row.width * height // row.height, height), Image.BILINEAR)
+        rows.append(row)
+    sheet = Image.new("RGB", (max(r.width for r in rows), sum(r.height + 4 for r in rows)))
+    top = 0
+    for row in rows:
+        sheet.paste(row, (0, top))
+        top += row.height + 4
+    sheet.save(path)
+
+
+def save_labelled(images, labels, path, *, columns=8, zoom=3):
+    """One PNG of uint8 images [N, C, H, W] in a grid of `columns`, each enlarged `zoom` times
+    with its label written under it: a classifier's data, to look at before training."""
+    from PIL import Image, ImageDraw
+
+    n, _, h, w = images.shape
+    cell_w, cell_h = w * zoom + 8, h * zoom + 16
+    rows = -(-n // columns)
+    sheet = Image.new("RGB", (columns * cell_w, rows * cell_h), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i, (image, label) in enumerate(zip(as_rgb(images.cpu()), labels)):
+        tile = Image.fromarray(image.permute(1, 2, 0).numpy()).resize((w * zoom, h * zoom))
+        left, top = (i % columns) * cell_w + 4, (i // columns) * cell_h + 2
+        sheet.paste(tile, (left, top))
+        draw.text((left, top + h * zoom + 1), str(label)[:20], fill="black")
+    sheet.save(path)

@@ -46,12 +46,14 @@ from common.segmentation_data import (
     IGNORE,
     MODES,
     load_segmentation,
+    parse_values,
+    read_class_names,
     show_value,
     value_count,
 )
 from common.signals import catch_stop_signals
-from common.tracking import image_panel, start_logging
-from unet_data import Pairs, list_pairs, mask_classes, parse_values  # ADAPT: your data
+from common.tracking import image_panel, save_overlays, start_logging
+from unet_data import SHAPES, Pairs, list_pairs, mask_classes  # ADAPT: your data
 from unet_model import (  # ADAPT: your model
     ENCODER_MEAN,
     ENCODER_STD,
@@ -71,7 +73,17 @@ class Config(RunConfig):
     # Data. ADAPT: a folder with imgs/ and masks/ (imgs/NAME.jpg with masks/NAME.png or
     # masks/NAME_mask.gif, as Carvana), or a hub name / folder that datasets.load_dataset reads.
     dataset: str = "data/shapes"  # `make data/shapes` writes it (scripts/make_shapes.py)
-    val_fraction: float = 0.1  # imgs/ + masks/: share held out for validation, fixed for any seed
+    # Or any folders of images and masks, by name (docs/unet.md: Pet, ISIC, CamVid, VOC).
+    images: str = ""  # the training images: a folder, or a glob such as data/x/*.jpg
+    masks: str = ""  # the folder of their masks (or a glob of the mask files)
+    mask_name: str = ""  # a mask's file name from its image's stem, e.g. {stem}_L.png; "": {stem}.*
+    val_images: str = (
+        ""  # validation images (masks in val_masks, else masks); "": taken from images
+    )
+    val_masks: str = ""  # the folder of val_images' masks; "": masks
+    train_list: str = ""  # a file of the training images' names, one a line (VOC's train.txt)
+    val_list: str = ""  # a file of the validation images' names among images (Pet's test.txt)
+    val_fraction: float = 0.1  # else: the share held out for validation, fixed for any seed
     image_column: str = "image"  # datasets data: the column of images
     mask_column: str = "mask"  # datasets data: the column of masks
     train_split: str = "train"  # datasets data
@@ -79,9 +91,11 @@ class Config(RunConfig):
     output_dir: str = f"runs/{NAME}"  # config.yaml, metrics.jsonl, weights, checkpoints/
     # Classes: a mask holds a grey level, palette index or label id per class, or a colour.
     mask_values: str = ""  # in class order, e.g. 0,255 or #000000,#800000; empty: those found
-    ignore_index: str = ""  # mask values that count for nothing (loss, metrics), e.g. 255 (VOC)
+    ignore_index: str = ""  # mask values (or class names) that count for nothing, e.g. 255 (VOC)
     ignore_unlisted: bool = False  # and every value not in mask_values (Cityscapes' 34 ids)
     num_classes: int = 0  # with background; 0: one per mask value; 1: a sigmoid, for 2 values
+    class_names: str = ""  # a,b,c in class order, or a file: a name a line, or name,r,g,b (CamVid)
+    background: str = ""  # the class dice leaves out: a mask value or name; "": the most pixels
     # Model.
     in_channels: int = 0  # of the model's input: 1 grey, 3 RGB, 4 RGBA; 0: the images' own
     encoder: str = ""  # resnet18, resnet34 or resnet50: a torchvision ResNet encoder; "": none
@@ -170,8 +184,34 @@ class Config(RunConfig):
             f"best_metric must be miou or dice, got {self.best_metric!r}",
         )
         require(self.focal_gamma >= 0, f"focal_gamma must be 0 or more, got {self.focal_gamma}")
+        names, listed = read_class_names(self.class_names) if self.class_names else (None, None)
+        require(
+            not (listed and self.mask_values),
+            f"class_names {self.class_names} gives the mask values: leave out --mask_values",
+        )
         if self.ignore_index:
-            parse_values(self.ignore_index, "--ignore_index")
+            parse_values(self.ignore_index, "--ignore_index", listed and dict(zip(names, listed)))
+        require(
+            bool(self.images) == bool(self.masks),
+            "--images and --masks go together: the folder of the images, and of their masks",
+        )
+        require(
+            not self.images or self.dataset == SHAPES,
+            "choose one of --dataset and --images (with --masks)",
+        )
+        require(
+            not self.val_images or self.images,
+            "--val_images needs --images and --masks: the training images and their masks",
+        )
+        require(
+            not self.val_masks or self.val_images,
+            "--val_masks needs --val_images: the validation images whose masks it holds",
+        )
+        require(
+            not self.mask_name or "{stem}" in self.mask_name,
+            f"mask_name names a mask after its image's stem, like {{stem}}_mask.png; got "
+            f"{self.mask_name!r}",
+        )
         if self.class_weights and self.class_weights != "auto":
             listed_weights(self.class_weights)
         require(
@@ -227,6 +267,9 @@ RECORD = "segmentation"  # the weights file's entry for predict: settings, class
 # training), how images were sized (input_size, or each its own size times scale), the flips.
 RECORDED = ("model", "mask_values", "ignored", "ignore_unlisted", "colour_masks", "input_size")
 RECORDED += ("scale", "flips")
+# Recorded since, with what a file written before means: no names, class 0 the background, and
+# the recipe's colours.
+OPTIONAL = {"class_names": None, "background": 0, "colours": None}
 
 
 def build_model(settings, grad_checkpointing=False):
@@ -249,7 +292,7 @@ def read_trained(path):
             f"{path} records no {', '.join(missing)}: an older version of this recipe wrote it; "
             f"train the model again to write it anew"
         )
-    return record
+    return {**OPTIONAL, **record}
 
 
 def trained_model(path, device="cpu"):
@@ -360,19 +403,39 @@ def imbalance_note(cfg, data):
     if share <= DOMINANT or cfg.class_weights or cfg.focal_gamma:
         return None
     value = show_value(data.values[top], data.classes.colour)
+    name = f"{data.names[top]}, " if data.classes.names else ""
     return (
-        f"note: class {top} (mask value {value}) holds {share:.0%} of the training pixels: if the "
-        f"model learns it alone (miou near {1 / len(pixels):.2f}), set --class_weights auto"
+        f"note: class {top} ({name}mask value {value}) holds {share:.0%} of the training pixels: "
+        f"if the model learns it alone (miou near {1 / len(pixels):.2f}), set --class_weights auto"
     )
 
 
-# ADAPT: your metric. Per image and foreground class: |pred & true| and |pred| + |true|, of hard
-# predictions; ignored pixels (IGNORE) are in neither. evaluate() makes the mean Dice of them.
-def dice_counts(logits, target, num_classes):
-    pred = torch.where(target == IGNORE, 0, predicted_classes(logits, num_classes))
-    classes = torch.arange(1, value_count(num_classes), device=pred.device)[:, None, None]
+def dice_note(cfg, data):
+    """The start-up line that says which classes `dice` averages: all but the background, the
+    class of the most training pixels unless --background names one."""
+    covered = [data.names[c] for c in dice_classes(cfg.num_classes, data.background)]
+    why = "as --background says" if cfg.background else "the most pixels; --background changes it"
+    more = f" ... ({len(covered)} in all)" if len(covered) > 12 else ""
+    return (
+        f"dice: per image, the mean over classes {', '.join(covered[:12])}{more}, a class in "
+        f"neither mask nor prediction scoring 1; background: {data.names[data.background]} "
+        f"({why})"
+    )
+
+
+# ADAPT: your metric. Per image and class but the background: |pred & true| and |pred| + |true|,
+# of hard predictions; ignored pixels (IGNORE) are in neither. evaluate() makes the mean Dice.
+def dice_counts(logits, target, num_classes, background=0):
+    pred = torch.where(target == IGNORE, background, predicted_classes(logits, num_classes))
+    classes = dice_classes(num_classes, background)
+    classes = torch.tensor(classes, device=pred.device)[:, None, None]
     pred, true = pred[:, None] == classes, target[:, None] == classes  # [N, classes, H, W]
     return (pred & true).sum((2, 3)), pred.sum((2, 3)) + true.sum((2, 3))
+
+
+def dice_classes(num_classes, background):
+    """The classes whose Dice the `dice` figure averages: all but the background."""
+    return [c for c in range(value_count(num_classes)) if c != background]
 
 
 def load_data(cfg, accelerator, trained=None):
@@ -401,6 +464,7 @@ def load_data(cfg, accelerator, trained=None):
         num_workers=cfg.num_workers,
         pad_multiple=PAD_MULTIPLE,
         min_size=max(MIN_SIZE, cfg.crop_size),
+        background=cfg.background,
     )
 
 
@@ -432,6 +496,10 @@ def flips_to_average(cfg, trained):
 # The settings that fix each process's batches: a mid-epoch checkpoint resumes only with these.
 DATA_ORDER = (
     "dataset",
+    "images",
+    "val_images",
+    "train_list",
+    "val_list",
     "train_split",
     "val_fraction",
     "seed",
@@ -510,15 +578,30 @@ def train_one_epoch(
 
 
 @torch.inference_mode()
-def evaluate(model, loader, accelerator, cfg, *, flips, weights, panels=False, ema=None):
+def evaluate(
+    model,
+    loader,
+    accelerator,
+    cfg,
+    *,
+    flips,
+    weights,
+    labels=None,
+    background=0,
+    colours=None,
+    panels=False,
+    ema=None,
+):
     """Over the validation images, each counted once on any number of processes: the mean Dice
-    per image (dice_counts), and from the confusion matrix of every pixel, the IoU and Dice of
-    each class and their mean over the classes, miou. A prepared loader pads the last batch and
-    gather_for_metrics drops the padding. A bucketed one pads nothing, so ranks may get
-    different numbers of batches: nothing may wait on other ranks per batch (the unwrapped model,
-    as DDP syncs buffers in forward), and one reduce ends the loop. `panels`: image | prediction
-    | truth of a few images too. `flips`: those to average over (flips_to_average). weights: the
-    loss's class weights. With ema (ema_decay), the moving average's results too: ema_miou..."""
+    per image of the classes but the background (dice_counts), and from the confusion matrix of
+    every pixel, the IoU and Dice of each class (keyed by `labels`, the class names; default:
+    the class indices) and their mean over the classes, miou. A prepared loader pads the last
+    batch and gather_for_metrics drops the padding. A bucketed one pads nothing, so ranks may
+    get different numbers of batches: nothing may wait on other ranks per batch (the unwrapped
+    model, as DDP syncs buffers in forward), and one reduce ends the loop. `panels`: image |
+    prediction | truth of a few images too, painted in `colours` (the dataset's, if any).
+    `flips`: those to average over (flips_to_average). weights: the loss's class weights. With
+    ema (ema_decay), the moving average's results too: ema_miou..."""
     bucketed = cfg.bucket_by_size
     # keep_torch_compile=False: the default takes DDP out of a compiled model (Accelerate 1.15).
     net = accelerator.unwrap_model(model, keep_torch_compile=False) if bucketed else model
@@ -533,12 +616,12 @@ def evaluate(model, loader, accelerator, cfg, *, flips, weights, panels=False, e
         x_in = prepare_input(x, cfg)
         logits = segment(net, x_in, tile=cfg.predict_tile, flips=flips, multiple=PAD_MULTIPLE)
         if panels and panel is None:
-            panel = image_panel(x, logits, y, cfg.num_classes)
+            panel = image_panel(x, logits, y, cfg.num_classes, colours=colours)
         loss = loss_per_image(
             logits, y, num_classes=cfg.num_classes, weights=weights, focal_gamma=cfg.focal_gamma
         )
         counts = (
-            *dice_counts(logits, y, cfg.num_classes),
+            *dice_counts(logits, y, cfg.num_classes, background),
             loss,
             confusion_counts(logits, y, cfg.num_classes),  # per image: exact after the gather
         )
@@ -555,18 +638,26 @@ def evaluate(model, loader, accelerator, cfg, *, flips, weights, panels=False, e
         confusion = accelerator.reduce(confusion, "sum")
     dice_sum, loss_sum, images = totals.tolist()
     iou, class_dice = class_scores(confusion, classes)
+    labels = labels or [str(c) for c in range(classes)]
     result = {
         "dice": dice_sum / images,
         "miou": sum(v for v in iou if v is not None) / max(sum(v is not None for v in iou), 1),
         "eval_loss": loss_sum / images,
         "eval_samples": int(images),
         "eval_pixels": int(confusion.sum()),  # those not ignored, each counted once
-        "iou_per_class": iou,
-        "dice_per_class": class_dice,
+        "iou_per_class": dict(zip(labels, iou)),
+        "dice_per_class": dict(zip(labels, class_dice)),
     }
     if ema is not None:
         averaged, _ = evaluate(
-            ema.synced(accelerator), loader, accelerator, cfg, flips=flips, weights=weights
+            ema.synced(accelerator),
+            loader,
+            accelerator,
+            cfg,
+            flips=flips,
+            weights=weights,
+            labels=labels,
+            background=background,
         )
         result.update({f"ema_{k}": v for k, v in averaged.items()})
     return result, panel
@@ -595,13 +686,47 @@ def predict(cfg, accelerator):
             logits = segment(model, x_in, tile=cfg.predict_tile, flips=flips, multiple=PAD_MULTIPLE)
         write_masks(paths, images, logits, record, out, sizes=sizes, overlay=cfg.overlay)
     accelerator.wait_for_everyone()
-    values = ",".join(show_value(v, record["colour_masks"]) for v in record["mask_values"])
-    accelerator.print(f"wrote {len(files)} masks (values {values}) to {out}/")
+    values = [show_value(v, record["colour_masks"]) for v in record["mask_values"]]
+    if record["class_names"]:
+        values = [f"{v} {name}" for v, name in zip(values, record["class_names"])]
+    accelerator.print(f"wrote {len(files)} masks (values {', '.join(values)}) to {out}/")
+
+
+def check_data(cfg, accelerator, count=8):
+    """--check_data: the data read as training reads it, with the same one-line errors; then
+    each class's share of the training pixels, every start-up note, and the first `count`
+    training images as the model sees them, with their masks painted on, in
+    output_dir/data_check.png. No training, no checkpoint."""
+    trained = read_trained(cfg.weights)  # --weights: its classes
+    data = load_data(cfg, accelerator, trained)
+    cfg = replace(cfg, num_classes=data.num_classes)
+    accelerator.print(f"{NAME} data check: {MODES[data.in_channels]} images; {data}")
+    for line in [*data.table, dice_note(cfg, data), *data.notes, imbalance_note(cfg, data)]:
+        if line:
+            accelerator.print(line)
+    if accelerator.is_main_process:
+        train_set = data.train_loader.dataset
+        samples = [train_set[i][:2] for i in range(min(count, len(train_set)))]
+        path = Path(cfg.output_dir) / "data_check.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_overlays(samples, path, colours=data.colours, background=data.background)
+        print(f"wrote {path}: {len(samples)} training images, their classes painted on")
+
+
+def export_inputs(cfg, record):
+    """Inputs that check an export (unet_predict.sample_images): validation images of this
+    recipe's own data, or random pixels where there is none (no --dataset, data/shapes not made:
+    weights copied from elsewhere)."""
+    if cfg.dataset == SHAPES and not cfg.images and not Path(SHAPES).exists():
+        source = f"no --dataset, {SHAPES} is not made"
+        return sample_images(None, record, multiple=PAD_MULTIPLE, source=source)
+    val_pairs = Pairs(list_pairs(cfg)[1])
+    return sample_images(val_pairs, record, multiple=PAD_MULTIPLE, source=cfg.images or cfg.dataset)
 
 
 def scalars(result):
-    """The numbers of an evaluation result for a tracker: the per-class lists stay out."""
-    return {k: v for k, v in result.items() if not isinstance(v, list)}
+    """The numbers of an evaluation result for a tracker: the per-class ones stay out."""
+    return {k: v for k, v in result.items() if not isinstance(v, dict)}
 
 
 def main(cfg):
@@ -613,10 +738,13 @@ def main(cfg):
     if cfg.predict:  # a mode of its own: no training, no run folder
         predict(cfg, accelerator)
         return close(accelerator)
+    if cfg.check_data:  # the data as training reads it, and a picture of it; no training
+        check_data(cfg, accelerator)
+        return close(accelerator)
     if cfg.export:  # common/export.py, checked on validation images, else on random pixels
         model, record = trained_model(cfg.weights)
         cfg = replace(cfg, **record["model"])  # the model's settings: prepare_input as in training
-        images, what = sample_images(cfg, record, multiple=PAD_MULTIPLE)
+        images, what = export_inputs(cfg, record)
         export_onnx(
             accelerator,
             model,
@@ -683,7 +811,7 @@ def main(cfg):
         f"{NAME}: {describe(accelerator, data.batch)}; {MODES[cfg.in_channels]} images; "
         f"{encoder}{adamw}; {norm}; {channels}; {data}; outputs to {out}/"
     )
-    for note in [*data.notes, imbalance_note(cfg, data)]:  # what the data suggests to set
+    for note in [dice_note(cfg, data), *data.notes, imbalance_note(cfg, data)]:
         if note:
             accelerator.print(note)
 
@@ -714,6 +842,9 @@ def main(cfg):
         "input_size": data.input_size,
         "scale": cfg.scale,
         "flips": trained_flips,
+        "class_names": list(data.classes.names or []) or None,
+        "background": data.background,
+        "colours": data.colours,
     }
     stored = record_metadata(RECORD, record, recipe=NAME)
 
@@ -745,6 +876,9 @@ def main(cfg):
             cfg,
             flips=flips,
             weights=weights,
+            labels=data.names,
+            background=data.background,
+            colours=data.colours,
             panels=cfg.log_with != "none",
             ema=ema,
         )
@@ -775,7 +909,15 @@ def main(cfg):
     if not progress.interrupted:
         if result is None:  # eval_only, or a resumed run that had nothing left to train
             result, _ = evaluate(
-                model, val_loader, accelerator, cfg, flips=flips, weights=weights, ema=ema
+                model,
+                val_loader,
+                accelerator,
+                cfg,
+                flips=flips,
+                weights=weights,
+                labels=data.names,
+                background=data.background,
+                ema=ema,
             )
             metrics.write(
                 epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result

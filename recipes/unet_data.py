@@ -11,80 +11,54 @@ padding, bucketing and the loaders, all in one call, load_segmentation().
 
 from pathlib import Path
 
-import torch
 from PIL import Image
 
-from common.config import require
-from common.data import DataError, TableRows, load_splits, open_image
-from common.segmentation_data import MaskClasses
+from common.data import DataError, TableRows, open_image
+from common.pairs import folder_splits, layout_hint, table_splits  # ADAPT: with list_pairs()
+from common.segmentation_data import MaskClasses, parse_values, read_class_names
 
 SHAPES = "data/shapes"  # the default data, made by `make data/shapes` (scripts/make_shapes.py)
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp"}
 
 
-# ADAPT: your layout. Each split is a sequence of (image, mask, name): paths, or what a datasets
-# row holds (PIL images), and a name for messages.
+# ADAPT: your layout, if the flags cannot name it. Each split is a sequence of (image, mask, name):
+# paths, or what a datasets row holds (PIL images), and a name for messages.
 def list_pairs(cfg):
-    """(train, validation) of a folder with imgs/ and masks/ (Carvana's layout: imgs/NAME.jpg
-    with masks/NAME.png or masks/NAME_mask.gif), or of what datasets.load_dataset reads, with an
-    image column and a mask column."""
+    """(train, validation): the images of --images with their masks in --masks (or --dataset's
+    imgs/ and masks/, Carvana's layout), each mask named after its image by --mask_name, split
+    by --val_images, --val_list or val_fraction; else the rows of what datasets.load_dataset
+    reads, with an image column and a mask column (common/pairs.py)."""
     root = Path(cfg.dataset)
+    if (root / "imgs").is_dir() and not cfg.images and not (root / "masks").is_dir():
+        raise DataError(
+            f"{root} has imgs/ but no masks/: add masks/NAME.png or masks/NAME_mask.* for each "
+            f"imgs/NAME.*, or name the folders with --images and --masks"
+        )
+    if cfg.images or (root / "imgs").is_dir():
+        return folder_splits(
+            cfg.images or root / "imgs",
+            cfg.masks or root / "masks",
+            mask_name=cfg.mask_name,
+            val_images=cfg.val_images,
+            val_masks=cfg.val_masks,
+            train_list=cfg.train_list,
+            val_list=cfg.val_list,
+            val_fraction=cfg.val_fraction,
+        )
     if cfg.dataset == SHAPES and not root.exists():
         raise DataError(
             f"{root} does not exist yet: write it with `make data/shapes` or python "
             f"scripts/make_shapes.py"
         )
-    if (root / "imgs").is_dir() and not (root / "masks").is_dir():
+    if root.is_dir() and not any(root.rglob("*.parquet")):  # a folder of another layout
         raise DataError(
-            f"{root} has imgs/ but no masks/: add masks/NAME.png or masks/NAME_mask.* for each "
-            f"imgs/NAME.*"
+            f"{root} is neither imgs/ with masks/ nor parquet files: {layout_hint(root)}"
         )
-    if (root / "imgs").is_dir():
-        pairs = folder_pairs(root)
-        n_val = int(len(pairs) * cfg.val_fraction)
-        if not 0 < n_val < len(pairs):
-            raise DataError(
-                f"val_fraction {cfg.val_fraction} of {len(pairs)} images leaves none to validate "
-                f"or train"
-            )
-        # A fixed generator, as in milesial/Pytorch-UNet: the held-out images stay for any seed.
-        order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(0)).tolist()
-        return [pairs[i] for i in order[n_val:]], [pairs[i] for i in order[:n_val]]
-    hint = (
-        f"use a folder with imgs/ and masks/ (masks/NAME.png or masks/NAME_mask.* for each "
-        f"imgs/NAME.*), or parquet files {cfg.train_split}*.parquet and "
-        f"{cfg.val_split}*.parquet with columns {cfg.image_column} and {cfg.mask_column}"
+    return table_splits(
+        cfg.dataset,
+        [cfg.train_split, cfg.val_split],
+        [cfg.image_column, cfg.mask_column],
+        hint="use a folder with imgs/ and masks/, --images and --masks",
     )
-    columns = [cfg.image_column, cfg.mask_column]
-    splits = load_splits(cfg.dataset, [cfg.train_split, cfg.val_split], columns, hint)
-    return [
-        TableRows(splits[split], columns, f"{cfg.dataset} {split}", "image or mask")
-        for split in (cfg.train_split, cfg.val_split)
-    ]
-
-
-def folder_pairs(root):
-    """[(image path, mask path, name)] for imgs/NAME.* with masks/NAME.* or masks/NAME_mask.*."""
-
-    def files(folder):
-        return {
-            p.stem: p
-            for p in sorted((root / folder).iterdir())
-            if p.suffix.lower() in IMAGE_SUFFIXES
-        }
-
-    masks, pairs = files("masks"), []
-    for stem, image in files("imgs").items():
-        found = [masks[s] for s in (stem, stem + "_mask") if s in masks]
-        if len(found) != 1:
-            raise DataError(
-                f"{image} has {'two masks' if found else 'no mask'}: expected one of "
-                f"masks/{stem}.png or masks/{stem}_mask.png (any image type)"
-            )
-        pairs.append((image, found[0], str(found[0])))
-    if not pairs:
-        raise DataError(f"{root / 'imgs'} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    return pairs
 
 
 # ADAPT: reading one pair. The image's pixels are decoded later, in the mode of the model's input
@@ -115,36 +89,26 @@ def read_pair(image, mask, name):
 # order (common/segmentation_data.py checks them either way). A preset for a dataset's labels,
 # such as Cityscapes' ids, is a --config file: recipes/configs/cityscapes.yaml.
 def mask_classes(cfg, stored=None):
-    """--mask_values, --ignore_index and --ignore_unlisted, each else as the --weights file's
-    record (`stored`) has it."""
+    """--mask_values, --ignore_index, --ignore_unlisted and --class_names, each else as the
+    --weights file's record (`stored`) has it. A --class_names file that gives each class's
+    value (CamVid's class_dict.csv) gives the values, and --ignore_index may name a class of it
+    (Void), which then is no class."""
     stored = stored or {"mask_values": None, "ignored": [], "ignore_unlisted": False}
-    values = parse_values(cfg.mask_values, "--mask_values") if cfg.mask_values else None
-    ignored = parse_values(cfg.ignore_index, "--ignore_index") if cfg.ignore_index else None
+    names, listed = read_class_names(cfg.class_names) if cfg.class_names else (None, None)
+    values = parse_values(cfg.mask_values, "--mask_values") if cfg.mask_values else listed
+    by_name = dict(zip(names, listed)) if listed else None
+    ignored = (
+        parse_values(cfg.ignore_index, "--ignore_index", by_name) if cfg.ignore_index else None
+    )
+    if listed and ignored:  # a class of the file that is ignored is no class
+        names = tuple(n for n, v in zip(names, listed) if v not in ignored)
+        values = tuple(v for v in listed if v not in ignored)
     return MaskClasses(
         values=values or stored["mask_values"],
         ignored=tuple(stored["ignored"] if ignored is None else ignored),
         unlisted_ignored=cfg.ignore_unlisted or stored["ignore_unlisted"],
+        names=names or stored.get("class_names"),
     )
-
-
-def parse_values(text, where):
-    """'0,85,170' -> [0, 85, 170], and colours '#800000' -> 0x800000: distinct non-negative
-    integers, or a ConfigError."""
-
-    def value(v):
-        v = v.strip()
-        return int(v[1:], 16) if v.startswith("#") and len(v) == 7 else int(v)
-
-    try:
-        values = [value(v) for v in str(text).split(",")]
-    except ValueError:
-        values = []
-    require(
-        values and min(values) >= 0 and len(set(values)) == len(values),
-        f"{where} must be distinct non-negative integers or #rrggbb colours separated by commas, "
-        f"like 0,255; got {text!r}",
-    )
-    return values
 
 
 class Pairs:

@@ -4,7 +4,7 @@ written back, in the training masks' values or colours, at each image's own size
     files = predict_files(cfg.predict)
     for paths, images, x, sizes in predict_batches(files, record, batch_size=8, ...):
         write_masks(paths, images, logits, record, out, sizes=sizes, overlay=False)
-    images, what = sample_images(cfg, record)   # inputs that check an export
+    images, what = sample_images(val_pairs, record, source="data/x")  # to check an export
 """
 
 from pathlib import Path
@@ -14,11 +14,10 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from common.data import DataError, image_files, pad_to
+from common.data import IMAGE_SUFFIXES, DataError, image_files, pad_to
 from common.inference import predicted_classes
 from common.segmentation_data import MODES, padded
-from common.tracking import paint
-from unet_data import IMAGE_SUFFIXES, SHAPES, Pairs, list_pairs
+from common.tracking import overlay as painted_on
 
 EXPORT_SIZE = 64  # export's random inputs for a model trained at its images' own sizes
 
@@ -81,30 +80,30 @@ def write_masks(paths, images, logits, record, out, *, sizes, overlay):
             lg = F.interpolate(lg[None], (image.height, image.width), mode="bilinear")[0]
         classes = predicted_classes(lg[None], num_classes)[0].cpu()
         Image.fromarray(lut[classes.numpy()]).save(out / f"{Path(path).stem}_mask.png")
-        if overlay:
-            rgb = torch.from_numpy(np.asarray(image.convert("RGB"), np.float32))
-            rgb = torch.where(classes[..., None] > 0, 0.5 * rgb + 0.5 * paint(classes), rgb)
-            overlay_image = Image.fromarray(rgb.numpy().astype(np.uint8))
-            overlay_image.save(out / f"{Path(path).stem}_overlay.png")
+        if overlay:  # in the dataset's colours, where it has them
+            rgb = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+            painted = painted_on(
+                rgb, classes, colours=record["colours"], background=record["background"]
+            )
+            Image.fromarray(painted.numpy()).save(out / f"{Path(path).stem}_overlay.png")
 
 
-def sample_images(cfg, record, *, multiple, count=4):
-    """([images, image], what they are): inputs to check an export on. Up to `count` validation
-    images as the data gives them (uint8 [N, C, H, W]), at the size the model was trained on
-    (model_size() of the first one, padded), and the first one again at another size (16 and 32
-    pixels more). With no data (the default dataset, not made), random pixels of that size, or
-    EXPORT_SIZE for a model trained at its images' own sizes: its weights came from data that
-    need not be here."""
+def sample_images(val_pairs, record, *, multiple, source, count=4):
+    """([images, image], what they are): inputs to check an export on. Up to `count` of the
+    recipe's validation pairs (its Pairs, or None: no data here), as the data gives them (uint8
+    [N, C, H, W]), at the size the model was trained on (model_size() of the first one, padded),
+    and the first one again at another size (16 and 32 pixels more). With no data, random pixels
+    of that size, or EXPORT_SIZE for a model trained at its images' own sizes: its weights came
+    from data that need not be here. source: where the pairs are from, or why there are none."""
     from torchvision.transforms.v2.functional import pil_to_tensor, resize  # see decode_pair
 
     in_channels = record["model"]["in_channels"]
-    if cfg.dataset == SHAPES and not Path(SHAPES).exists():
+    if val_pairs is None:
         h, w = record["input_size"] or (EXPORT_SIZE, EXPORT_SIZE)
         shape = (count, in_channels, h + 16, w + 32)
         seeded = torch.Generator().manual_seed(0)
         x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=seeded)
-        return [x[..., :h, :w], x[:1]], f"random pixels: no --dataset, {SHAPES} is not made"
-    val_pairs = Pairs(list_pairs(cfg)[1])
+        return [x[..., :h, :w], x[:1]], f"random pixels: {source}"
     images = [
         pil_to_tensor(val_pairs[i][0].convert(MODES[in_channels]))
         for i in range(min(count, len(val_pairs)))
@@ -115,4 +114,4 @@ def sample_images(cfg, record, *, multiple, count=4):
     return [
         torch.stack([resize(im, [h, w], antialias=True) for im in images]),
         resize(images[0], [h + 16, w + 32], antialias=True)[None],
-    ], f"images of {cfg.dataset}"
+    ], f"images of {source}"
