@@ -125,14 +125,15 @@ def wait_for(predicate, proc, timeout=120):
         time.sleep(0.05)
 
 
-def predict_here(recipe, weights, pattern, out):
+def predict_here(recipe, weights, pattern, out, *more):
     """The recipe's predict() in the test process, as `--predict PATTERN --weights WEIGHTS
-    --predict_dir OUT` runs it: for tests of what predict writes, where the launch adds nothing
-    (the fast tier and test_unet_predict.py launch it)."""
+    --predict_dir OUT` runs it (more: other settings, such as --overlay): for tests of what
+    predict writes, where the launch adds nothing (the fast tier and test_unet_predict.py launch
+    it)."""
     from common.accelerator import build_accelerator
     from common.config import parse_config
 
-    args = ["--predict", pattern, "--weights", weights, "--predict_dir", out]
+    args = ["--predict", pattern, "--weights", weights, "--predict_dir", out, *more]
     recipe.predict(parse_config(recipe.Config, [str(a) for a in args]), build_accelerator())
 
 
@@ -170,9 +171,9 @@ def make_shapes(root, count, size, *more):
 
 TINY_MODEL = """
 class TinyNet(nn.Module):  # the user's own model
-    def __init__(self):
+    def __init__(self, num_classes):
         super().__init__()
-        self.fc = nn.Linear(28 * 28, 10)
+        self.fc = nn.Linear(28 * 28, num_classes)
 
     def forward(self, x):
         return self.fc(torch.flatten(x, 1))
@@ -185,9 +186,10 @@ def copy_with_tiny_model():
     """recipes/mnist.py copied as README "Make your own recipe" says, with BasicNet swapped for
     TinyNet: the copy's path, deleted on leaving."""
     original = (REPO / "recipes" / "mnist.py").read_text()
-    assert original.count("model = BasicNet()") == 1
+    line = "model = BasicNet(num_classes=len(classes))"
+    assert original.count(line) == 1
     source = original.replace("# ADAPT: your model.", TINY_MODEL + "# ADAPT: your model.")
-    source = source.replace("model = BasicNet()", "model = TinyNet()")
+    source = source.replace(line, "model = TinyNet(num_classes=len(classes))")
     # One line of the recipe changes, besides the model added (README: Make your own recipe).
     assert (
         sum(

@@ -291,7 +291,9 @@ def test_mnist_decoding_reaches_its_helpers_in_common_and_the_recipe(tiny_mnist,
         mnist, "cached_tensors", lambda key, make, **_: makes.append(make) or make()
     )
     split = load_splits(str(tiny_mnist), ["test"], ["image", "label"])["test"]
-    mnist.to_tensors(split, mnist.Config(dataset=str(tiny_mnist)), "test", "cpu")
+    mnist.to_tensors(
+        split, mnist.Config(dataset=str(tiny_mnist)), "test", "cpu", list("0123456789")
+    )
     reached = code_reached(makes)
     names = {obj.__qualname__ for obj in reached}
     # decode(), the function that defines it, and what they call in common/data.py.
@@ -338,7 +340,8 @@ def test_the_unet_decoding_key_reaches_the_data_surface_a_copy_edits(shapes, mon
     # An edit to how a pair is read (unet_data.py) or decoded (common/segmentation_data.py)
     # decodes again: the code that the U-Net's decoded() hands to the cache reaches both.
     from common import segmentation_data
-    from unet_data import Pairs, folder_pairs
+    from common.pairs import folder_pairs
+    from unet_data import Pairs
 
     passed = {}
 
@@ -347,7 +350,7 @@ def test_the_unet_decoding_key_reaches_the_data_surface_a_copy_edits(shapes, mon
         return make()
 
     monkeypatch.setattr(segmentation_data, "cached_tensors", spy)
-    pairs = Pairs(folder_pairs(shapes)[:2])
+    pairs = Pairs(folder_pairs(shapes / "imgs", shapes / "masks")[:2])
     classes = segmentation_data.MaskClasses((0, 85, 170, 255))
     segmentation_data.decoded(
         pairs,

@@ -15,12 +15,11 @@ from conftest import REPO, assert_ok, launch, make_shapes
 from PIL import Image
 from recipe_module import load_recipe
 from safetensors import safe_open
-from unet import read_trained
 
 from common.checkpoint import load_weights
 from common.config import ConfigError, UserError, parse_config
 from common.export import OnnxModel, check_onnx, write_onnx
-from unet_predict import sample_images
+from unet import read_trained
 
 MNIST, UNET = "recipes/mnist.py", "recipes/unet.py"
 UNET_DATA = ["--val_fraction", 0.2, "--num_workers", 0]  # 20 images: 16 train, 4 validation
@@ -59,7 +58,7 @@ def torch_model(recipe, weights):
     """The recipe's model with the weights, on the CPU, in eval mode."""
     module = load_recipe(recipe)
     if recipe == "mnist":
-        model = module.BasicNet()
+        model = module.BasicNet(num_classes=10)
         load_weights(model, weights)
         return model.eval()
     return module.trained_model(str(weights))[0]
@@ -73,7 +72,11 @@ def mnist_weights(tmp_path_factory):
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("mnist") / "model.safetensors"
-    save_file(load_recipe("mnist").BasicNet().state_dict(), path, metadata={"recipe": "mnist"})
+    save_file(
+        load_recipe("mnist").BasicNet(num_classes=10).state_dict(),
+        path,
+        metadata={"recipe": "mnist"},
+    )
     return path
 
 
@@ -333,14 +336,14 @@ def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights, tmp_pa
         (None, (4, 3, 48, 48), (1, 3, 64, 80)),
     ]:  # None: own size
         record = {"model": {"in_channels": 3}, "mask_values": [0, 85, 170, 255], "scale": 0}
-        images, what = sample_images(cfg, {**record, "input_size": input_size}, multiple=16)
+        images, what = unet.export_inputs(cfg, {**record, "input_size": input_size})
         x, y = (unet.prepare_input(t, cfg) for t in images)
         assert (x.shape, y.shape) == (first, second) and what == f"images of {data}"
         assert x.dtype == torch.float32 and 0 <= x.min() < x.max() <= 1
     # No --dataset where data/shapes is not made: random pixels of the size the weights store.
     monkeypatch.chdir(tmp_path)
     weights = read_trained(unet_weights[1])
-    images, what = sample_images(parse_config(unet.Config, []), weights, multiple=16)
+    images, what = unet.export_inputs(parse_config(unet.Config, []), weights)
     assert [tuple(t.shape) for t in images] == [(4, 3, 48, 48), (1, 3, 64, 80)]
     assert images[0].dtype == torch.uint8
     assert what == "random pixels: no --dataset, data/shapes is not made"

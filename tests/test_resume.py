@@ -333,7 +333,7 @@ def test_old_ddp_checkpoint_with_module_prefix_loads(mnist_checkpoint, tmp_path)
     for prefix, name in (("module.", "ddp_era.pt"), ("_orig_mod.", "compiled.pt")):
         torch.save({prefix + k: v for k, v in state.items()}, tmp_path / name)
         cfg = parse_config(mnist.Config, ["--eval_only", "--weights", str(tmp_path / name)])
-        model = mnist.BasicNet()
+        model = mnist.BasicNet(num_classes=10)
         load_weights(model, cfg.weights)
         assert_identical(model.state_dict(), state)
 

@@ -3,11 +3,13 @@ for grey images their own loss): each changes only the lines the README counts, 
 2 processes, and predicts with its own weights (the MNIST copy exports them too)."""
 
 import csv
+import subprocess
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from conftest import (
+    BIN,
     FAST,
     N_TEST,
     N_VAL,
@@ -19,16 +21,16 @@ from conftest import (
     copy_with_tiny_model,
     launch,
     read_metrics,
-    with_void,
 )
+from layouts import image_and_mask, split_names, voc_layout
 from PIL import Image
 from recipe_module import load_recipe
 from safetensors import safe_open
 from safetensors.torch import load_file
-from unet import read_trained
 
 from common.checkpoint import read_record
 from common.config import parse_config
+from unet import read_trained
 
 RECIPE = "recipes/unet.py"
 
@@ -263,35 +265,6 @@ ADE20K_LIST_PAIRS = '''def list_pairs(cfg):
 '''
 
 
-def split_names(shapes):
-    """The shapes' names: the last 10 validate, the others train."""
-    names = sorted(p.stem for p in (shapes / "imgs").glob("*.png"))
-    return {"train": names[:-10], "val": names[-10:]}
-
-
-def image_and_mask(shapes, name):
-    image = Image.open(shapes / "imgs" / f"{name}.png").convert("RGB")
-    return image, np.asarray(Image.open(shapes / "masks" / f"{name}_mask.png"))
-
-
-def voc_layout(shapes, root):
-    """`shapes` in Pascal VOC's layout: JPEG images, palette PNG masks holding class indices
-    (0..3) and void (255) along the edges, and the splits' names in
-    ImageSets/Segmentation/{train,val}.txt."""
-    for folder in ("JPEGImages", "SegmentationClass", "ImageSets/Segmentation"):
-        (root / folder).mkdir(parents=True)
-    palette = [0, 0, 0, 128, 0, 0, 0, 128, 0, 128, 128, 0] + [0] * (256 - 4) * 3
-    for split, names in split_names(shapes).items():
-        for name in names:
-            image, values = image_and_mask(shapes, name)
-            image.save(root / "JPEGImages" / f"{name}.jpg", quality=95)
-            mask = Image.fromarray(with_void(values, 0), mode="P")
-            mask.putpalette(palette)
-            mask.save(root / "SegmentationClass" / f"{name}.png")
-        (root / "ImageSets" / "Segmentation" / f"{split}.txt").write_text("\n".join(names) + "\n")
-    return root
-
-
 def cityscapes_layout(shapes, root):
     """`shapes` in Cityscapes' layout, with its label ids: road 7, car 26, person 24, building
     11, and ego vehicle (1), which no class trains on, along the top."""
@@ -366,7 +339,12 @@ def test_a_unet_copy_adapted_to_a_public_layout_changes_only_its_data_part(
     name = f"my_{layout}_{tmp_path.name[-8:]}"
     recipe_copy = recipe.replace("from unet_data import", f"from {name}_data import")
     start = data.index("def list_pairs(")
-    data_copy = data[:start] + list_pairs + data[data.index("\n\n\ndef folder_pairs") :]
+    data_copy = data[:start] + list_pairs + data[data.index("\n\n\n# ADAPT: reading one pair") :]
+    # The helpers of the list_pairs() it replaces are imported on a line of their own.
+    helpers = next(
+        line for line in data.splitlines() if line.endswith("# ADAPT: with list_pairs()")
+    )
+    data_copy = data_copy.replace(helpers + "\n", "")
     assert changed_lines(recipe, recipe_copy) == 1  # the import, marked # ADAPT: your data
     if layout == "voc":
         assert changed_lines(data, data_copy) == VOC_CHANGED_LINES  # list_pairs(), under # ADAPT
@@ -376,11 +354,20 @@ def test_a_unet_copy_adapted_to_a_public_layout_changes_only_its_data_part(
         path.write_text(text)
     args = ["--dataset", root, *settings, *FAST]
     try:
+        # The adapted copy leaves no dead code behind: it passes the lint that CI runs.
+        lint = subprocess.run(
+            [BIN / "ruff", "check", *copies], cwd=REPO, capture_output=True, text=True
+        )
         if layout == "voc":
             res = launch(
                 [copies[0], *args, "--smoke", "--output_dir", tmp_path / "out"],
                 launcher="python",
                 env=ONE_THREAD,
+            )
+            # Export checks the copy's ONNX file on the copy's own data.
+            weights = tmp_path / "out" / "model.safetensors"
+            exported = launch(
+                [copies[0], *args, "--export", "onnx", "--weights", weights], launcher="python"
             )
         else:
             from common.accelerator import build_accelerator
@@ -391,9 +378,12 @@ def test_a_unet_copy_adapted_to_a_public_layout_changes_only_its_data_part(
     finally:
         for path in copies:
             path.unlink()
+    assert lint.returncode == 0, lint.stdout
     if layout == "voc":
         assert_ok(res)
         assert classes in res.output, res
         assert read_metrics(tmp_path / "out")[0]["eval_samples"] == 10
+        assert_ok(exported)
+        assert f"(images of {root})" in exported.output, exported
     else:
         assert classes in str(data) and len(data.val_loader.dataset) == 10, data

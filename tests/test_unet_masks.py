@@ -30,10 +30,10 @@ from conftest import (
     truncate,
 )
 from PIL import Image
-from unet import read_trained
 
 from common.data import DataError, crop_and_flip
 from common.segmentation_data import IGNORE, pad_collate, scan_pairs, value_count
+from unet import read_trained
 from unet_data import Pairs, list_pairs
 
 RECIPE = "recipes/unet.py"

@@ -15,10 +15,10 @@ import torch
 from conftest import ONE_THREAD, REPO, SIZE, VALUES, assert_ok, launch, make_shapes
 from PIL import Image
 from recipe_module import load_recipe
-from unet import read_trained
 
 from common.config import ConfigError, UserError, parse_config
 from common.inference import segment, tiled
+from unet import read_trained
 
 RECIPE = "recipes/unet.py"
 

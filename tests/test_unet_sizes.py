@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import FAST, ONE_THREAD, assert_ok, launch, make_shapes, predict_here, read_metrics
 from PIL import Image, JpegImagePlugin
-from unet import read_trained
 
 from common import segmentation_data
 from common.config import parse_config
 from common.data import DataError
+from unet import read_trained
 
 RECIPE = "recipes/unet.py"
 

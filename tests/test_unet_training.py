@@ -32,11 +32,11 @@ from conftest import (
 )
 from PIL import Image
 from safetensors import safe_open
-from unet import read_trained
 
 from common.config import ConfigError, parse_config
 from common.data import DataError
 from common.schedule import fit_cosine
+from unet import read_trained
 from unet_data import list_pairs
 
 RECIPE = "recipes/unet.py"

@@ -1,0 +1,342 @@
+"""Your own data by flags, with no copy of the recipe: the layouts users bring most after VOC
+(the Oxford-IIIT Pet, ISIC 2018, CamVid, Kaggle's Carvana, and VOC's own folders), each named by
+the first error with the flags that read it, then read, trained, predicted and resumed with them;
+class names through to the start-up line, metrics.jsonl, predict and the overlays in the
+dataset's colours; the data check (--check_data); and MNIST's classes taken from its data."""
+
+import csv
+import re
+import shlex
+
+import numpy as np
+import pytest
+from conftest import (
+    ONE_THREAD,
+    assert_ok,
+    launch,
+    predict_here,
+    read_metrics,
+)
+from layouts import (
+    CAMVID_CLASSES,
+    camvid_layout,
+    carvana_layout,
+    isic_layout,
+    pet_layout,
+    voc_layout,
+)
+from PIL import Image
+
+from common.accelerator import build_accelerator
+from common.checkpoint import read_record
+from common.config import ConfigError, parse_config
+from common.data import DataError
+from common.segmentation_data import read_class_names
+from unet_data import list_pairs
+
+RECIPE = "recipes/unet.py"
+TINY = ["--base_channels", 8, "--num_workers", 0, "--eval_batch_size", 4, "--batch_size", 4]
+
+# layout -> (its builder, the flags its first error names after --images ROOT/, training and
+# validation images)
+LAYOUTS = {
+    "pet": (
+        pet_layout,
+        "images --masks {root}/annotations/trimaps --train_list {root}/annotations/trainval.txt "
+        "--val_list {root}/annotations/test.txt",
+        (63, 10),
+    ),
+    "isic": (
+        isic_layout,
+        "ISIC2018_Task1-2_Training_Input --masks {root}/ISIC2018_Task1_Training_GroundTruth "
+        "--mask_name '{{stem}}_segmentation.png' --val_images "
+        "{root}/ISIC2018_Task1-2_Validation_Input --val_masks "
+        "{root}/ISIC2018_Task1_Validation_GroundTruth",
+        (63, 10),
+    ),
+    "camvid": (
+        camvid_layout,
+        "train --masks {root}/train_labels --mask_name '{{stem}}_L.png' --val_images {root}/val "
+        "--val_masks {root}/val_labels --class_names {root}/class_dict.csv",
+        (58, 10),
+    ),
+    "carvana": (carvana_layout, "train --masks {root}/train_masks", (66, 7)),
+    "voc": (
+        lambda shapes, root: voc_layout(shapes, root, extra=12),
+        "JPEGImages --masks {root}/SegmentationClass --train_list "
+        "{root}/ImageSets/Segmentation/train.txt --val_list {root}/ImageSets/Segmentation/val.txt",
+        (63, 10),
+    ),
+}
+
+
+def flags_of(error):
+    """The settings that an error's "read it with ..." names."""
+    return shlex.split(str(error).split("read it with ")[1])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_first_error_names_the_layout_and_the_flags_that_read_it(
+    unet, shapes, tmp_path, layout
+):
+    build, flags, (n_train, n_val) = LAYOUTS[layout]
+    root = build(shapes, tmp_path / layout)
+    # What a new user types first: --dataset at the folder. The error names what it holds and
+    # the flags that fit; never the parquet columns of a datasets folder.
+    with pytest.raises(DataError) as error:
+        list_pairs(unet.Config(dataset=str(root)))
+    message = str(error.value)
+    assert message.startswith(f"{root} is neither imgs/ with masks/ nor parquet files: it holds ")
+    assert message.endswith(f"read it with --images {root}/{flags.format(root=root)}"), message
+    assert "column" not in message and "parquet files train" not in message
+    # Those flags read it: each image with its own mask, the splits as the layout has them.
+    train, val = list_pairs(parse_config(unet.Config, flags_of(message)))
+    assert (len(train), len(val)) == (n_train, n_val)
+    stems = [image.stem for image, _, _ in train + val]
+    assert len(set(stems)) == n_train + n_val
+    for image, mask, _ in train + val:
+        assert mask.name.startswith(image.stem) and mask.suffix != ".jpg"
+
+
+def test_an_image_without_a_mask_says_how_the_masks_there_are_named(unet, shapes, tmp_path):
+    root = isic_layout(shapes, tmp_path / "isic")
+    images, masks = (
+        root / "ISIC2018_Task1-2_Training_Input",
+        root / "ISIC2018_Task1_Training_GroundTruth",
+    )
+    cfg = parse_config(unet.Config, ["--images", str(images), "--masks", str(masks)])
+    with pytest.raises(DataError) as error:
+        list_pairs(cfg)
+    assert str(error.value) == (
+        f"{images}/ISIC_0000000.jpg has no mask: looked for {masks}/ISIC_0000000.* or "
+        f"{masks}/ISIC_0000000_mask.*; the masks there are named like "
+        f"ISIC_0000000_segmentation.png: --mask_name '{{stem}}_segmentation.png'"
+    )
+    # A glob of images works as a folder does; a list that names an image not there is named.
+    glob = parse_config(
+        unet.Config,
+        [
+            "--images",
+            f"{images}/*.jpg",
+            "--masks",
+            str(masks),
+            "--mask_name",
+            "{stem}_segmentation.png",
+        ],
+    )
+    assert len(list_pairs(glob)[0]) + len(list_pairs(glob)[1]) == 63
+    (tmp_path / "val.txt").write_text("ISIC_0000001\nISIC_9999999\n")
+    with pytest.raises(DataError, match=re.escape("such as 'ISIC_9999999', have no image")):
+        list_pairs(
+            parse_config(
+                unet.Config, [*map(str, glob_args(glob)), "--val_list", str(tmp_path / "val.txt")]
+            )
+        )
+
+
+def glob_args(cfg):
+    return ["--images", cfg.images, "--masks", cfg.masks, "--mask_name", cfg.mask_name]
+
+
+def test_class_names_are_a_list_or_a_file_and_name_what_is_ignored(tmp_path):
+    assert read_class_names("road,car,sky") == (("road", "car", "sky"), None)
+    assert read_class_names("pet=1,background=2") == (("pet", "background"), (1, 2))
+    table = tmp_path / "class_dict.csv"
+    table.write_text("name,r,g,b\nSky,128,128,128\nVoid,0,0,0\n")
+    assert read_class_names(str(table)) == (("Sky", "Void"), (0x808080, 0))
+    for text, message in [
+        ("a,a", "must give distinct names"),
+        ("a=1,b", "must give every class a distinct mask value"),
+        (str(tmp_path / "none.csv"), "does not exist"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            read_class_names(text)
+
+
+def test_a_camvid_layout_trains_on_2_processes_with_its_class_names_and_colours(
+    unet, shapes, tmp_path
+):
+    root = camvid_layout(shapes, tmp_path / "camvid")
+    with pytest.raises(DataError) as error:
+        list_pairs(unet.Config(dataset=str(root)))
+    # The flags the error names, and Void, a class of class_dict.csv, left out by its name.
+    args = [*flags_of(error.value), "--ignore_index", "Void", *TINY, "--smoke"]
+    out = tmp_path / "out"
+    res = launch([RECIPE, *args, "--output_dir", out], nproc=2, env=ONE_THREAD)
+    assert_ok(res)
+    names = ["Animal", "Building", "Car", "Pole", "Sky"]
+    assert (
+        "classes: mask colours #408040,#800000,#400080,#c0c080,#808080 "
+        "(Animal,Building,Car,Pole,Sky); ignored: #000000;" in res.output
+    ), res
+    assert (
+        "dice: per image, the mean over classes Animal, Building, Car, Pole, a class in neither "
+        "mask nor prediction scoring 1; background: Sky (the most pixels;" in res.output
+    ), res
+    (row,) = read_metrics(out)
+    assert list(row["iou_per_class"]) == names and list(row["dice_per_class"]) == names
+    assert row["iou_per_class"]["Animal"] is None  # in no mask, and not predicted
+    record = read_record(out / "model.safetensors", "segmentation")
+    assert record["class_names"] == names and record["background"] == 4
+    assert record["colours"] == [list(CAMVID_CLASSES[n]) for n in names]
+    # Predict writes the masks in the dataset's colours, and paints its overlays in them too.
+    image = root / "val" / "shape_0063.png"
+    predict_here(unet, out / "model.safetensors", image, tmp_path / "p", "--overlay")
+    mask = np.asarray(Image.open(tmp_path / "p" / "shape_0063_mask.png").convert("RGB"))
+    colours = {tuple(c) for c in mask.reshape(-1, 3).tolist()}
+    assert colours <= {CAMVID_CLASSES[n] for n in names}, colours
+    painted = np.asarray(Image.open(tmp_path / "p" / "shape_0063_overlay.png"), np.int32)
+    rgb = np.asarray(Image.open(image).convert("RGB"), np.int32)
+    sky = (mask == CAMVID_CLASSES["Sky"]).all(-1)
+    assert (painted[sky] == rgb[sky]).all()  # the background is left as it is
+    for name in names[:-1]:
+        where = (mask == CAMVID_CLASSES[name]).all(-1)
+        expected = (rgb[where] + np.array(CAMVID_CLASSES[name])) // 2
+        assert (np.abs(painted[where] - expected) <= 1).all(), name
+
+
+def test_check_data_prints_the_classes_and_notes_and_draws_them_without_training(
+    unet, shapes, tmp_path
+):
+    root = pet_layout(shapes, tmp_path / "pet")
+    with pytest.raises(DataError) as error:
+        list_pairs(unet.Config(dataset=str(root)))
+    out = tmp_path / "check"
+    args = [*flags_of(error.value), "--check_data", "--num_workers", 0, "--output_dir", out]
+    res = launch([RECIPE, *args], launcher="python", env=ONE_THREAD)
+    assert_ok(res)
+    lines = res.output.splitlines()
+    table = lines[lines.index(next(x for x in lines if x.startswith("class "))) :][:4]
+    assert [row.split()[:2] for row in table[1:]] == [["0", "1"], ["1", "2"], ["2", "3"]], table
+    shares = [float(row.split()[2].rstrip("%")) for row in table[1:]]
+    assert abs(sum(shares) - 100) < 0.05 and shares[1] == max(shares), table
+    # The trimap's border (3) lies between pet and background: the note that VOC's void gets.
+    assert (
+        "note: mask value 3 lies along the edges between the others (on 100% of them), as a void "
+        "or unlabelled band does, and is a class of its own now: --ignore_index 3 leaves its "
+        "pixels out of the loss and the metrics" in lines
+    ), res
+    # The background is the class of the most pixels (value 2), not class 0 (value 1, the pet).
+    assert any(
+        x.startswith("dice: per image, the mean over classes 1, 3,")
+        and x.endswith("background: 2 (the most pixels; --background changes it)")
+        for x in lines
+    ), res
+    sheet = Image.open(out / "data_check.png")
+    assert sheet.size == (3 * 48, 8 * (48 + 4))  # 8 rows: image | overlay | mask
+    assert sorted(p.name for p in out.iterdir()) == ["data_check.png"]  # nothing trained
+    # With the border ignored and the pet named, dice is the pet's.
+    data = unet.load_data(
+        parse_config(
+            unet.Config,
+            [*flags_of(error.value), "--ignore_index", "3", "--class_names", "pet,background"],
+        ),
+        build_accelerator(),
+    )
+    assert data.names == ["pet", "background"] and data.background == 1 and not data.notes
+    assert unet.dice_classes(data.num_classes, data.background) == [0]
+
+
+def test_check_data_stops_with_the_errors_of_training(unet, shapes, tmp_path):
+    root = pet_layout(shapes, tmp_path / "pet")
+    bad = root / "annotations" / "trimaps" / "beagle_0000.png"
+    Image.fromarray(np.full((48, 47), 1, np.uint8)).save(bad)
+    args = ["--images", root / "images", "--masks", root / "annotations" / "trimaps"]
+    cfg = parse_config(
+        unet.Config, [*map(str, args), "--check_data", "--output_dir", str(tmp_path)]
+    )
+    message = f"mask {bad} is 47x48, its image 48x48"
+    for step in (unet.check_data, unet.load_data):
+        with pytest.raises(DataError, match=re.escape(message)):
+            step(cfg, build_accelerator())
+
+
+def digit_folders(tiny_mnist, root, names=("cat", "dog", "emu")):
+    """An imagefolder of 3 classes, train/NAME/*.png and test/NAME/*.png, from tiny_mnist's
+    digits 0, 1 and 2: the classes are the folders' names."""
+    import pyarrow.parquet as pq
+
+    for split, count in (("train", 60), ("test", 12)):
+        table = pq.read_table(tiny_mnist / f"{'train' if split == 'train' else 'test'}.parquet")
+        images, labels = table["image"].to_pylist(), table["label"].to_pylist()
+        seen = {}
+        for image, label in zip(images, labels):
+            if label < len(names) and seen.get(label, 0) < count // len(names):
+                folder = root / split / names[label]
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"{seen.setdefault(label, 0):03d}.png").write_bytes(image["bytes"])
+                seen[label] += 1
+    return root
+
+
+def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(tiny_mnist, tmp_path):
+    from recipe_module import load_recipe
+
+    data = digit_folders(tiny_mnist, tmp_path / "animals")
+    out = tmp_path / "out"
+    res = launch(
+        ["recipes/mnist.py", "--dataset", data, "--smoke", "--batch_size", 8, "--output_dir", out],
+        launcher="python",
+    )
+    assert_ok(res)
+    assert "60 train / 12 test samples of 3 classes" in res.output, res
+    assert read_record(out / "model.safetensors", "classes") == ["cat", "dog", "emu"]
+    mnist = load_recipe("mnist")
+    weights = out / "model.safetensors"
+    cfg = parse_config(
+        mnist.Config,
+        ["--predict", str(data / "test" / "*" / "*.png"), "--weights", str(weights)]
+        + ["--predict_csv", str(tmp_path / "p.csv"), "--top_k", "2"],
+    )
+    classes = mnist.recorded_classes(cfg.weights)
+    model = mnist.BasicNet(num_classes=len(classes))
+    mnist.predict(cfg, build_accelerator(), model, classes)
+    with open(tmp_path / "p.csv", newline="") as f:
+        header, *rows = list(csv.reader(f))
+    assert header == ["file", "label", "probability", "label_2", "probability_2"]
+    assert len(rows) == 12 and {r[1] for r in rows} | {r[3] for r in rows} <= {"cat", "dog", "emu"}
+    with pytest.raises(Exception, match="top_k 4 is more than the model's 3 classes"):
+        mnist.predict(
+            parse_config(
+                mnist.Config, ["--predict", "x", "--weights", str(weights), "--top_k", "4"]
+            ),
+            build_accelerator(),
+            model,
+            classes,
+        )
+    # The data check: each class's samples in each split, and the picture.
+    mnist.check_data(
+        parse_config(mnist.Config, ["--dataset", str(data), "--output_dir", str(tmp_path / "c")]),
+        build_accelerator(),
+    )
+    assert (tmp_path / "c" / "data_check.png").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pet", "isic", "carvana", "voc"])
+def test_each_layout_trains_predicts_and_resumes_with_the_flags_alone(
+    unet, shapes, tmp_path, layout
+):
+    build, _, _ = LAYOUTS[layout]
+    root = build(shapes, tmp_path / layout)
+    with pytest.raises(DataError) as error:
+        list_pairs(unet.Config(dataset=str(root)))
+    args = [RECIPE, *flags_of(error.value), *TINY, "--output_dir", tmp_path / "out"]
+    if layout == "pet":  # stopped at step 4 of the first epoch, then resumed: mid-epoch
+        first = launch([*args, "--epochs", 1, "--max_steps", 4], launcher="python", env=ONE_THREAD)
+        assert_ok(first)
+        args += ["--resume", "latest"]
+    smoke = [] if layout == "pet" else ["--smoke"]
+    res = launch([*args, "--epochs", 1, *smoke], launcher="python", env=ONE_THREAD)
+    assert_ok(res)
+    if layout == "pet":
+        assert "resumed from" in res.output and "(epoch 1, step 4)" in res.output, res
+    (row,) = read_metrics(tmp_path / "out")
+    assert row["eval_samples"] == LAYOUTS[layout][2][1]
+    _, val = list_pairs(parse_config(unet.Config, flags_of(error.value)))
+    image = val[0][0]
+    predict_here(unet, tmp_path / "out" / "model.safetensors", image, tmp_path / "p")
+    predicted = Image.open(tmp_path / "p" / f"{image.stem}_mask.png")
+    assert predicted.size == Image.open(val[0][1]).size
+    record = read_record(tmp_path / "out" / "model.safetensors", "segmentation")
+    assert set(np.unique(np.asarray(predicted)).tolist()) <= set(record["mask_values"])
