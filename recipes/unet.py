@@ -417,9 +417,8 @@ def dice_note(cfg, data):
     why = "as --background says" if cfg.background else "the most pixels; --background changes it"
     more = f" ... ({len(covered)} in all)" if len(covered) > 12 else ""
     return (
-        f"dice: per image, the mean over classes {', '.join(covered[:12])}{more}, a class in "
-        f"neither mask nor prediction scoring 1; background: {data.names[data.background]} "
-        f"({why})"
+        f"dice: per image, the mean over those of classes {', '.join(covered[:12])}{more} in "
+        f"its mask or prediction; background: {data.names[data.background]} ({why})"
     )
 
 
@@ -593,9 +592,10 @@ def evaluate(
     ema=None,
 ):
     """Over the validation images, each counted once on any number of processes: the mean Dice
-    per image of the classes but the background (dice_counts), and from the confusion matrix of
-    every pixel, the IoU and Dice of each class (keyed by `labels`, the class names; default:
-    the class indices) and their mean over the classes, miou. A prepared loader pads the last
+    per image of the classes but the background that its mask or prediction holds (1 for an
+    image with none: dice_counts), and from the confusion matrix of every pixel, the IoU and
+    Dice of each class (keyed by `labels`, the class names; default: the class indices) and
+    their mean over the classes, miou. A prepared loader pads the last
     batch and gather_for_metrics drops the padding. A bucketed one pads nothing, so ranks may
     get different numbers of batches: nothing may wait on other ranks per batch (the unwrapped
     model, as DDP syncs buffers in forward), and one reduce ends the loop. `panels`: image |
@@ -628,8 +628,11 @@ def evaluate(
         inter, total, loss, matrices = (
             counts if bucketed else accelerator.gather_for_metrics(counts)
         )
-        dice = torch.where(total == 0, 1.0, 2 * inter / total.clamp(min=1))
-        totals[0] += dice.double().mean(1).sum()
+        # Per image, the classes in its mask or prediction: an absent class is no success.
+        present = total > 0
+        dice = (2 * inter / total.clamp(min=1)).double() * present
+        counted = present.sum(1)
+        totals[0] += torch.where(counted > 0, dice.sum(1) / counted.clamp(min=1), 1.0).sum()
         totals[1] += loss.double().sum()
         totals[2] += len(loss)
         confusion += matrices.sum(0)

@@ -170,12 +170,12 @@ def test_a_camvid_layout_trains_on_2_processes_with_its_class_names_and_colours(
         "(Animal,Building,Car,Pole,Sky); ignored: #000000;" in res.output
     ), res
     assert (
-        "dice: per image, the mean over classes Animal, Building, Car, Pole, a class in neither "
-        "mask nor prediction scoring 1; background: Sky (the most pixels;" in res.output
+        "dice: per image, the mean over those of classes Animal, Building, Car, Pole in its mask "
+        "or prediction; background: Sky (the most pixels;" in res.output
     ), res
     (row,) = read_metrics(out)
     assert list(row["iou_per_class"]) == names and list(row["dice_per_class"]) == names
-    assert row["iou_per_class"]["Animal"] is None  # in no mask, and not predicted
+    assert row["iou_per_class"]["Animal"] in (None, 0.0)  # in no mask
     record = read_record(out / "model.safetensors", "segmentation")
     assert record["class_names"] == names and record["background"] == 4
     assert record["colours"] == [list(CAMVID_CLASSES[n]) for n in names]
@@ -218,7 +218,7 @@ def test_check_data_prints_the_classes_and_notes_and_draws_them_without_training
     ), res
     # The background is the class of the most pixels (value 2), not class 0 (value 1, the pet).
     assert any(
-        x.startswith("dice: per image, the mean over classes 1, 3,")
+        x.startswith("dice: per image, the mean over those of classes 1, 3 in its mask")
         and x.endswith("background: 2 (the most pixels; --background changes it)")
         for x in lines
     ), res
@@ -340,3 +340,31 @@ def test_each_layout_trains_predicts_and_resumes_with_the_flags_alone(
     assert predicted.size == Image.open(val[0][1]).size
     record = read_record(tmp_path / "out" / "model.safetensors", "segmentation")
     assert set(np.unique(np.asarray(predicted)).tolist()) <= set(record["mask_values"])
+
+
+def test_dice_counts_only_the_classes_an_image_holds_or_is_predicted_to_hold(unet):
+    # A model that predicts background alone, on an image with a circle (class 1) and on an
+    # empty one: the first scores 0 (its circle missed; the absent classes 2 and 3 are no
+    # success), the second 1 (nothing to find, nothing found). Before: 0.67 and 1.
+    import torch
+
+    class Background(torch.nn.Module):
+        def forward(self, x):
+            logits = torch.zeros(len(x), 4, *x.shape[2:])
+            logits[:, 0] = 1
+            return logits
+
+    masks = torch.zeros(2, 32, 32, dtype=torch.long)
+    masks[0, 8:16, 8:16] = 1
+    batch = (torch.zeros(2, 3, 32, 32, dtype=torch.uint8), masks)
+    cfg = parse_config(unet.Config, ["--num_classes", "4"])
+    result, _ = unet.evaluate(
+        Background(), [batch], build_accelerator(), cfg, flips="", weights=None, background=0
+    )
+    assert result["dice"] == pytest.approx(0.5)
+    assert result["dice_per_class"] == {
+        "0": pytest.approx(2 * 1984 / (2 * 1984 + 64)),
+        "1": 0.0,
+        "2": None,
+        "3": None,
+    }

@@ -234,7 +234,7 @@ VOC_LIST_PAIRS = '''def list_pairs(cfg):
 
     return split(cfg.train_split), split(cfg.val_split)
 '''
-VOC_CHANGED_LINES = 35  # list_pairs() in the copy of unet_data.py; and the import in the recipe
+VOC_CHANGED_LINES = 36  # list_pairs() and its helpers' import in the copy of unet_data.py
 
 
 CITYSCAPES_LIST_PAIRS = '''def list_pairs(cfg):
