@@ -311,8 +311,9 @@ LAYOUTS = {
         CITYSCAPES_LIST_PAIRS,
         cityscapes_layout,
         ["--val_split", "val", "--config", REPO / "recipes" / "configs" / "cityscapes.yaml"],
-        "classes: mask values 7,8,11,12,13,17,19,20,21,22,23,24,... (19 in all); ignored: every "
-        "other value",
+        "classes: mask values 7,8,11,12,13,17,19,20,21,22,23,24,... (19 in all) (road,sidewalk,"
+        "building,wall,fence,pole,traffic light,traffic sign,vegetation,terrain,sky,person,... "
+        "(19 in all)); ignored: every other value",
     ),
     "ade20k": (
         ADE20K_LIST_PAIRS,
