@@ -467,6 +467,25 @@ def load_data(cfg, accelerator, trained=None):
     )
 
 
+def resolved(cfg, data, device):
+    """(cfg, class weights): cfg with what the data and the device decide, as main() trains and
+    scripts/bench.py measures it, so that the two cannot drift apart. The data (load_data)
+    decides num_classes, in_channels, max_batch_pixels and cache_images; channels_last auto is on
+    with CUDA, off on CPUs (docs/performance.md). The loss's class weights are on `device`, or
+    None unless class_weights is set."""
+    auto = cfg.channels_last is None
+    cfg = replace(
+        cfg,
+        num_classes=data.num_classes,
+        in_channels=data.in_channels,
+        max_batch_pixels=data.max_batch_pixels,
+        cache_images=data.cached,
+        channels_last=device.type == "cuda" if auto else cfg.channels_last,
+    )
+    weights = class_weights(cfg, data.class_pixels)
+    return cfg, None if weights is None else weights.to(device)
+
+
 def make_optimizer(model, lr, cfg, accelerator):
     """AdamW with fused kernels: one update for all the weights, not a Python loop over them. Not
     under fp16's scaler: a fused step always runs, so Accelerate could not tell a skipped one."""
@@ -769,19 +788,9 @@ def main(cfg):
     trained_flips = "h" * (cfg.hflip > 0) + "v" * (cfg.vflip > 0)  # what predict_flip may flip
     flips = flips_to_average(cfg, trained["flips"] if trained and cfg.eval_only else trained_flips)
     data = load_data(cfg, accelerator, trained)
-    # What the data, weights and device decide, resolved before config.yaml records the settings.
-    # channels_last auto: on with CUDA, off on CPUs (docs/performance.md).
-    auto = cfg.channels_last is None
-    cfg = replace(
-        cfg,
-        num_classes=data.num_classes,
-        in_channels=data.in_channels,
-        max_batch_pixels=data.max_batch_pixels,
-        cache_images=data.cached,
-        channels_last=accelerator.device.type == "cuda" if auto else cfg.channels_last,
-    )
-    weights = class_weights(cfg, data.class_pixels)  # None unless class_weights is set
-    weights = None if weights is None else weights.to(accelerator.device)
+    auto = cfg.channels_last is None  # for the start-up line
+    # Resolved before config.yaml records the settings; weights: the loss's class weights.
+    cfg, weights = resolved(cfg, data, accelerator.device)
     train_loader, val_loader = data.train_loader, data.val_loader
     metrics = start_logging(accelerator, cfg, NAME, checkpoint=checkpoint)
 

@@ -1,16 +1,20 @@
 """scripts/bench.py: the fast preset benchmarked with the recipe's own optimizer and schedule,
-and the FLOP count, against counts done by hand and the figure of issue 18."""
+the U-Net's settings resolved as its main() resolves them, and the FLOP count, against counts
+done by hand and the figure of issue 18."""
 
 import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import N_IMAGES, N_VAL, REPO, assert_ok, launch
+import yaml
+from conftest import N_IMAGES, N_VAL, ONE_THREAD, REPO, assert_ok, launch
 from recipe_module import load_recipe
 
 sys.path.append(str(REPO / "scripts"))  # bench_tools, after everything else: it shadows nothing
 from bench_tools.flops import flops_per_sample  # noqa: E402
+from bench_tools.unet import bench_unet  # noqa: E402
 
 
 @pytest.mark.slow
@@ -105,3 +109,39 @@ def test_flops_per_sample_counts_forward_and_backward_of_one_sample():
         lambda logits, y: unet.loss_per_image(logits, y, num_classes=cfg.num_classes).mean(),
     )
     assert round(flops / 1e9, 1) == 288.9
+
+
+@pytest.mark.slow
+def test_the_unet_bench_measures_the_settings_that_main_trains_with(shapes, tmp_path):
+    # main() writes config.yaml with every setting as it resolved it (channels_last auto, the
+    # classes, the caching); the bench's variants must run on the same.
+    # Once the bench tested channels_last for a string the Config no longer held, and so
+    # measured the recipe with channels_last off where main() turned it on (an H100, 430
+    # against 835 images/s).
+    flags = {"base_channels": 8, "val_fraction": 0.2, "num_workers": 0, "batch_size": 4}
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(yaml.safe_dump(flags))
+    out = tmp_path / "run"
+    args = ["recipes/unet.py", "--dataset", shapes, "--config", preset, "--output_dir", out]
+    res = launch([*args, "--smoke"], launcher="python", env=ONE_THREAD)
+    assert_ok(res)
+    trained = yaml.safe_load((out / "config.yaml").read_text())
+    from common.accelerator import build_accelerator
+
+    bench_args = SimpleNamespace(
+        dataset=str(shapes),
+        config=str(preset),
+        workdir=str(tmp_path / "bench"),
+        warmup=1,
+        reps=2,
+        steps=0,
+        image_size=None,
+        batch_size=None,
+        also=[],
+    )
+    info, _ = bench_unet(bench_args, build_accelerator())
+    # What the bench sets itself: a run as long as its repetitions, no checkpoint, no smoke.
+    own = {"output_dir", "epochs", "max_steps", "checkpoint_every_steps", "smoke"}
+    measured = {k: v for k, v in info["settings"].items() if k not in own}
+    assert measured == {k: v for k, v in trained.items() if k not in own}
+    assert measured["channels_last"] is False

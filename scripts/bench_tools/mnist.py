@@ -1,6 +1,7 @@
 """The MNIST variants, each built from recipes/mnist.py: its Config (and --config preset), model,
 optimizer (make_optimizer), schedule (make_scheduler), loaders and train_one_epoch."""
 
+import dataclasses
 import sys
 
 import torch
@@ -99,6 +100,7 @@ def bench_mnist(args, accelerator):
     info = {
         "dataset": cfg.dataset,
         "config": args.config,
+        "settings": dataclasses.asdict(cfg),
         "train_samples": len(train_set),
         "batch_size": cfg.batch_size,
         "steps_per_rep": steps,

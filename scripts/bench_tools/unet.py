@@ -74,8 +74,6 @@ def bench_unet(args, accelerator):
     ]
     cfg = recipe_config(unet, args, *sizes)
     set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)  # as main() does
-    if cfg.channels_last == "auto":  # as main() resolves it: on with CUDA
-        cfg = dataclasses.replace(cfg, channels_last=str(device.type == "cuda").lower())
     if not (Path(cfg.dataset) / "imgs").is_dir():
         raise SystemExit(
             f"error: the U-Net bench needs a folder with imgs/ and masks/ (the "
@@ -83,7 +81,7 @@ def bench_unet(args, accelerator):
         )
     # The recipe's own data path, as its main() builds it on one process.
     data = unet.load_data(cfg, accelerator)
-    cfg = dataclasses.replace(cfg, num_classes=data.num_classes, in_channels=data.in_channels)
+    cfg, weights = unet.resolved(cfg, data, device)  # channels_last auto, the classes, ...
     train_loader, values = data.train_loader, data.values
     train_source, _ = list_pairs(cfg)  # the image and mask files, for the classic loop
     workers = worker_count(cfg.num_workers, 1)  # the recipe's when it does not cache
@@ -94,8 +92,9 @@ def bench_unet(args, accelerator):
 
     def new_model(cfg=cfg, tutorial=False):
         set_seed(cfg.seed)  # the same initial weights in every variant
-        model = unet.build_model({name: getattr(cfg, name) for name in unet.MODEL_SETTINGS})
-        if cfg.channels_last == "true":
+        settings = {name: getattr(cfg, name) for name in unet.MODEL_SETTINGS}
+        model = unet.build_model(settings, grad_checkpointing=cfg.grad_checkpointing)
+        if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
         if tutorial:  # the recipe's AdamW settings, with the foreach kernels that milesial asks for
             optimizer = torch.optim.AdamW(
@@ -107,7 +106,9 @@ def bench_unet(args, accelerator):
 
     def step(model, optimizer, x, y):
         """The recipe's training step with nothing around it: loss, backward, clipping, AdamW."""
-        loss = unet.loss_per_image(model(x), y, num_classes=cfg.num_classes).mean()
+        loss = unet.loss_per_image(
+            model(x), y, num_classes=cfg.num_classes, weights=weights, focal_gamma=cfg.focal_gamma
+        ).mean()
         accelerator.backward(loss)
         if cfg.grad_clip:
             accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -135,7 +136,7 @@ def bench_unet(args, accelerator):
                 progress=progress,
                 ema=None,
                 classes=data.classes,
-                weights=None,
+                weights=weights,
             )
 
         return recipe_rep(accelerator, loader, progress, epoch_steps, sizes, train_epoch)
@@ -178,6 +179,7 @@ def bench_unet(args, accelerator):
     info = {
         "dataset": cfg.dataset,
         "config": args.config,
+        "settings": dataclasses.asdict(cfg),  # as main() resolves them (unet.resolved)
         "train_samples": len(train_set),
         "batch_size": cfg.batch_size,
         "input_size": list(x.shape[1:]),
@@ -222,7 +224,7 @@ def bench_unet(args, accelerator):
     }
     if "channels_last" in args.also:
         info["what"]["recipe_cl"] = "the recipe with --channels_last true (model and batches NHWC)"
-        variants["recipe_cl"] = lambda: setup_recipe(dataclasses.replace(cfg, channels_last="true"))
+        variants["recipe_cl"] = lambda: setup_recipe(dataclasses.replace(cfg, channels_last=True))
     if "compile" in args.also:
         info["what"]["recipe_compile"] = (
             "the recipe, model compiled (torch.compile, inductor) after prepare()"
