@@ -450,12 +450,13 @@ class RunConfig:
             1,
             "epochs",
             "batch_size",
-            "eval_batch_size",
             "gradient_accumulation_steps",
             "smoke_steps",
             "log_every",
             "keep_checkpoints",
         )
+        # 0: a recipe that sizes its evaluation batches itself (the U-Net's, by pixels).
+        require_at_least(self, 0 if type(self).eval_batch_size == 0 else 1, "eval_batch_size")
         require_at_least(self, 0, "max_steps", "checkpoint_every_steps", "early_stop_patience")
         require(
             0 <= self.ema_decay < 1,

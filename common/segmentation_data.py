@@ -729,6 +729,8 @@ class SegmentationData:
     shapes: str  # the images' size, for the start-up line
     reading: str  # how the images are read: cached or decoded per read, for the start-up line
     cached: bool  # cache_images as resolved: decoded once at start-up
+    eval_batch_size: int  # as resolved (eval_batch_images); bucket_by_size: as given, 0 by pixels
+    evaluation: str  # what an evaluation batch holds, for the start-up line
 
     @property
     def values(self):
@@ -747,11 +749,20 @@ class SegmentationData:
         colours = "colours" if classes.colour else "values"
         names = f" ({show_values(classes.names, False, most=12)})" if classes.names else ""
         return (
-            f"{self.reading}; {len(self.train_loader.dataset)} train / "
+            f"{self.reading}; {self.evaluation}; {len(self.train_loader.dataset)} train / "
             f"{len(self.val_loader.dataset)} validation images of {self.shapes}; classes: mask "
             f"{colours} {show_values(classes.values, classes.colour, most=12)}{names}{sigmoid}"
             f"{ignored}"
         )
+
+
+def eval_batch_images(eval_batch_size, *, batch_size, train_pixels, eval_pixels):
+    """Images per evaluation batch: eval_batch_size, or for 0, as many as hold the pixels of a
+    training batch (at least one). Evaluation then needs no more memory than training: at the
+    same pixels it keeps less, as it saves no activations for a backward pass and holds no
+    gradients or optimizer state (measured in docs/performance.md: Carvana's size took 16
+    evaluation images at once where training took 4, and more memory than training)."""
+    return eval_batch_size or max(1, batch_size * train_pixels // eval_pixels)
 
 
 def decoded(pairs, classes, mode, sizes, *, fixed, threads, device, cache_decoded):
@@ -789,6 +800,7 @@ def load_segmentation(
     cache_decoded,
     batch_size,
     eval_batch_size,
+    crop_size,
     seed,
     num_workers,
     pad_multiple,
@@ -803,8 +815,10 @@ def load_segmentation(
     each image's own size times it (target_sizes). cache_images: True, False or None (auto: if
     it fits CACHE_BUDGET_GB): each process decodes all images once onto its device (a GPU's
     memory is its own) and gathers its batches there, with no workers; cache_decoded: keep
-    those decoded tensors, and the scan, on disk for later runs. pad_multiple: padded sides are
-    multiples of it; min_size: the model's smallest side. background: the background class's
+    those decoded tensors, and the scan, on disk for later runs. eval_batch_size: images per
+    evaluation batch, or 0: as many as hold a training batch's pixels (eval_batch_images), where
+    crop_size (0: none) is the side of the square that training crops. pad_multiple: padded sides
+    are multiples of it; min_size: the model's smallest side. background: the background class's
     mask value or name (background_class)."""
     require_one_batch_per_process(len(train_pairs), batch_size, accelerator, "the training data")
     scan = scan_pairs(accelerator, [train_pairs, val_pairs], remember=cache_decoded)
@@ -860,6 +874,11 @@ def load_segmentation(
         class_table(scan, classes),
     )
     if not bucket_by_size:  # each loader with its own generator: see seeded_loader
+        height, width = input_size
+        trained = min(crop_size, height) * min(crop_size, width) if crop_size else height * width
+        eval_batch_size = eval_batch_images(
+            eval_batch_size, batch_size=batch_size, train_pixels=trained, eval_pixels=height * width
+        )
         loaders = [
             seeded_loader(
                 dataset,
@@ -874,9 +893,12 @@ def load_segmentation(
                 (val_set, eval_batch_size, False),
             )
         ]
-        shape = f"{input_size[1]}x{input_size[0]}"
-        return SegmentationData(*loaders, *known, 0, batch_size, shape, reading, cached)
-    # A budget of padded pixels per batch; validation gets eval_batch_size / batch_size times more.
+        shape, evaluation = f"{width}x{height}", f"evaluation batches of {eval_batch_size} images"
+        return SegmentationData(
+            *loaders, *known, 0, batch_size, shape, reading, cached, eval_batch_size, evaluation
+        )
+    # A budget of padded pixels per batch; validation gets eval_batch_size / batch_size times more,
+    # or with eval_batch_size 0 the same budget (eval_batch_images).
     train_sizes, val_sizes = (
         [(padded(h, pad_multiple), padded(w, pad_multiple)) for h, w in part] for part in sizes
     )
@@ -892,7 +914,7 @@ def load_segmentation(
         num_workers=workers,
         pin_memory=pin,
     )
-    val_budget = max(budget * eval_batch_size // batch_size, 1)
+    val_budget = max(budget * eval_batch_size // batch_size, 1) if eval_batch_size else budget
     val = bucket_loader(
         val_set,
         val_sizes,
@@ -905,4 +927,7 @@ def load_segmentation(
     )
     batch = f"batches of at most {budget} padded pixels per process"
     shape = "their own sizes" + (f" times {scale:g}" if scale else "")
-    return SegmentationData(train, val, *known, budget, batch, shape, reading, cached)
+    evaluation = f"evaluation batches of at most {val_budget} padded pixels"
+    return SegmentationData(
+        train, val, *known, budget, batch, shape, reading, cached, eval_batch_size, evaluation
+    )

@@ -121,7 +121,7 @@ class Config(RunConfig):
     # Training.
     epochs: int = 5
     batch_size: int = 8  # per process: the global batch is this x processes x accumulation steps
-    eval_batch_size: int = 16  # per process; also predict's batch
+    eval_batch_size: int = 0  # per process; 0: a training batch's pixels (predict: batch_size)
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 1e-4  # AdamW weight decay
     scheduler: str = "cosine"  # cosine: to 0 at the last step; plateau: x0.1 after 5 flat evals
@@ -459,6 +459,7 @@ def load_data(cfg, accelerator, trained=None):
         cache_decoded=cfg.cache_decoded,
         batch_size=cfg.batch_size,
         eval_batch_size=cfg.eval_batch_size,
+        crop_size=cfg.crop_size,
         seed=cfg.seed,
         num_workers=cfg.num_workers,
         pad_multiple=PAD_MULTIPLE,
@@ -470,9 +471,9 @@ def load_data(cfg, accelerator, trained=None):
 def resolved(cfg, data, device):
     """(cfg, class weights): cfg with what the data and the device decide, as main() trains and
     scripts/bench.py measures it, so that the two cannot drift apart. The data (load_data)
-    decides num_classes, in_channels, max_batch_pixels and cache_images; channels_last auto is on
-    with CUDA, off on CPUs (docs/performance.md). The loss's class weights are on `device`, or
-    None unless class_weights is set."""
+    decides num_classes, in_channels, max_batch_pixels, cache_images and eval_batch_size (0: by
+    pixels); channels_last auto is on with CUDA, off on CPUs (docs/performance.md). The loss's
+    class weights are on `device`, or None unless class_weights is set."""
     auto = cfg.channels_last is None
     cfg = replace(
         cfg,
@@ -480,6 +481,7 @@ def resolved(cfg, data, device):
         in_channels=data.in_channels,
         max_batch_pixels=data.max_batch_pixels,
         cache_images=data.cached,
+        eval_batch_size=data.eval_batch_size,
         channels_last=device.type == "cuda" if auto else cfg.channels_last,
     )
     weights = class_weights(cfg, data.class_pixels)
@@ -698,7 +700,7 @@ def predict(cfg, accelerator):
     batches = predict_batches(
         files,
         record,
-        batch_size=cfg.eval_batch_size,
+        batch_size=cfg.eval_batch_size or cfg.batch_size,
         accelerator=accelerator,
         multiple=PAD_MULTIPLE,
     )

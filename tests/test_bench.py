@@ -114,7 +114,7 @@ def test_flops_per_sample_counts_forward_and_backward_of_one_sample():
 @pytest.mark.slow
 def test_the_unet_bench_measures_the_settings_that_main_trains_with(shapes, tmp_path):
     # main() writes config.yaml with every setting as it resolved it (channels_last auto, the
-    # classes, the caching); the bench's variants must run on the same.
+    # classes, the caching, the evaluation batch); the bench's variants must run on the same.
     # Once the bench tested channels_last for a string the Config no longer held, and so
     # measured the recipe with channels_last off where main() turned it on (an H100, 430
     # against 835 images/s).
@@ -144,4 +144,4 @@ def test_the_unet_bench_measures_the_settings_that_main_trains_with(shapes, tmp_
     own = {"output_dir", "epochs", "max_steps", "checkpoint_every_steps", "smoke"}
     measured = {k: v for k, v in info["settings"].items() if k not in own}
     assert measured == {k: v for k, v in trained.items() if k not in own}
-    assert measured["channels_last"] is False
+    assert measured["channels_last"] is False and measured["eval_batch_size"] == 4

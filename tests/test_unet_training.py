@@ -97,8 +97,8 @@ def test_single_process_learns_and_writes_the_output_contract(trained_unet, shap
     assert f"; fused AdamW lr {LR:g};" in res.output  # a CPU has the fused kernels (make_optimizer)
     # channels_last auto is off on a CPU; these images fit the cache (cache_images auto).
     assert (
-        "; channels_last off (auto); images decoded once, 1 MB in cpu memory; 59 train"
-        in res.output
+        "; channels_last off (auto); images decoded once, 1 MB in cpu memory; evaluation "
+        "batches of 4 images; 59 train" in res.output
     )
     config = yaml.safe_load((out / "config.yaml").read_text())  # as resolved, not "auto"
     assert (config["channels_last"], config["cache_images"]) == (False, True)
