@@ -163,12 +163,21 @@ def drop_lines_after(path, *, step, epoch):
 
 
 def peak_memory_mb(device):
-    """Peak memory so far: allocated tensors on a CUDA device, resident set size on the CPU."""
+    """Peak memory: on a CUDA device, of the tensors allocated since the last
+    reset_peak_memory(); on the CPU, the process's resident set size at its peak so far."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device):
+    """Start peak_memory_mb() afresh from what is allocated now, so that training and evaluation
+    each report their own peak. A CUDA device only: a process's peak resident set size cannot be
+    reset, so on the CPU the figure stays the peak since the process started."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def confusion_counts(logits, target, num_classes):

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import broadcast
 
-from common.metrics import Throughput, TrainLoss, peak_memory_mb
+from common.metrics import Throughput, TrainLoss, peak_memory_mb, reset_peak_memory
 from common.outputs import training_started
 from common.signals import stop_requested
 
@@ -108,6 +108,7 @@ class Progress:
     def start_epoch(self, batches):
         """Reset the epoch's meters. batches: what the loader yields (the rest, after a resume)."""
         training_started(self.cfg.output_dir)
+        reset_peak_memory(self.accelerator.device)  # peak_memory_mb: this epoch's training
         self.losses = TrainLoss(self.accelerator.device, self.step)
         self.speed, self.window = Throughput(), Throughput()
         loss_sum, samples, self.skipped = self.carried  # a resumed epoch's batches before the stop

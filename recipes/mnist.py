@@ -51,6 +51,7 @@ from common.data import (
 from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import export_onnx
+from common.metrics import peak_memory_mb, reset_peak_memory
 from common.outputs import open_run, stop_together, write_csv
 from common.progress import Progress
 from common.runtime import run
@@ -412,7 +413,9 @@ def main(cfg):
         )
         if progress.interrupted:
             break
+        reset_peak_memory(accelerator.device)  # eval_peak_memory_mb: evaluation's own peak
         result = evaluate(model, test_loader, accelerator, ema)
+        eval_peak = peak_memory_mb(accelerator.device)
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             if cfg.scheduler == "step":
                 scheduler.step()
@@ -424,7 +427,9 @@ def main(cfg):
                     metadata={**stored, "epoch": epoch, **result},
                 )
             save(accelerator, cfg, progress, scheduler)
-        metrics.write(epoch=epoch, step=progress.step, lr=lr, **train, **result)
+        metrics.write(
+            epoch=epoch, step=progress.step, lr=lr, **train, **result, eval_peak_memory_mb=eval_peak
+        )
         accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=progress.step)
         accelerator.print(
             f"epoch {epoch}: train loss {train['train_loss']:.4f}, test accuracy "

@@ -37,7 +37,7 @@ from common.determinism import set_deterministic
 from common.ema import EMA
 from common.export import OnnxModel, export_onnx
 from common.inference import predicted_classes, segment
-from common.metrics import class_scores, confusion_counts
+from common.metrics import class_scores, confusion_counts, peak_memory_mb, reset_peak_memory
 from common.outputs import open_run
 from common.progress import Progress
 from common.runtime import run
@@ -883,6 +883,7 @@ def main(cfg):
         )
         if progress.interrupted:
             break
+        reset_peak_memory(accelerator.device)  # eval_peak_memory_mb: evaluation's own peak
         result, panel = evaluate(
             model,
             val_loader,
@@ -896,6 +897,7 @@ def main(cfg):
             panels=cfg.log_with != "none",
             ema=ema,
         )
+        eval_peak = peak_memory_mb(accelerator.device)
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             if cfg.scheduler == "plateau":
                 scheduler.step(result[cfg.best_metric])
@@ -907,7 +909,9 @@ def main(cfg):
                     metadata={**stored, "epoch": epoch, **scalars(result)},
                 )
             save(accelerator, cfg, progress=progress, scheduler=scheduler, classes=data.classes)
-        metrics.write(epoch=epoch, step=progress.step, lr=lr, **train, **result)
+        metrics.write(
+            epoch=epoch, step=progress.step, lr=lr, **train, **result, eval_peak_memory_mb=eval_peak
+        )
         accelerator.log({f"eval/{k}": v for k, v in scalars(result).items()}, step=progress.step)
         for tracker_ in accelerator.trackers if panel is not None else []:  # main process only
             tracker_.log_images({"eval/image_prediction_truth": panel.cpu()}, step=progress.step)

@@ -19,6 +19,8 @@ REQUIRED = {
     "eval_samples",
     "accuracy",
     "train_samples_per_s",
+    "peak_memory_mb",  # training's
+    "eval_peak_memory_mb",  # evaluation's
 }
 
 

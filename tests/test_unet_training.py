@@ -67,7 +67,12 @@ def test_single_process_learns_and_writes_the_output_contract(trained_unet, shap
         "dice",
         "eval_loss",
         "eval_samples",
+        "peak_memory_mb",
+        "eval_peak_memory_mb",
     } <= rows[-1].keys()
+    # On a CPU both are the process's resident set at its peak so far, which cannot be reset:
+    # evaluation's, read after training's, is never below it (on a GPU each is its own).
+    assert all(r["eval_peak_memory_mb"] >= r["peak_memory_mb"] > 0 for r in rows)
     assert rows[-1]["world_size"] == 1 and rows[-1]["eval_samples"] == N_VAL
     assert rows[-1]["step"] == 10 * math.ceil(N_TRAIN / 8)
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
