@@ -278,7 +278,7 @@ def choose_checkpoint(resume, root, *, eval_only=False, restarted=False):
     return path
 
 
-def load_checkpoint(accelerator, path, *, recipe, data_order=None, same=None):
+def load_checkpoint(accelerator, path, *, recipe, data_order=None, same=None, exact=True):
     """Restore what save_checkpoint wrote into the prepared objects; return trainer_state.
 
     data_order: {setting: value} of the settings that decide which batches each rank gets,
@@ -288,6 +288,7 @@ def load_checkpoint(accelerator, path, *, recipe, data_order=None, same=None):
     same: {setting: value} that any checkpoint resumes only with, such as ema_decay (which
     decides what the checkpoint holds); a setting missing from trainer_state counts as off: 0,
     "", [] or False, as the type of `value` has it.
+    exact: False when the run cannot go on bit for bit (exact_resume), which its line then says.
     """
     path = Path(path)
     state_file = path / "trainer_state.json"
@@ -346,8 +347,20 @@ def load_checkpoint(accelerator, path, *, recipe, data_order=None, same=None):
             f"it is truncated or was saved with other model settings; resume from another "
             f"checkpoint"
         ) from None
-    accelerator.print(f"resumed from {path} (epoch {state.get('epoch')}, step {state.get('step')})")
+    inexact = "" if exact else "; not bit-exact on a GPU without --deterministic true"
+    accelerator.print(
+        f"resumed from {path} (epoch {state.get('epoch')}, step {state.get('step')}){inexact}"
+    )
     return state
+
+
+def exact_resume(device_type, deterministic):
+    """Whether a run resumed on this device goes on bit for bit as an uninterrupted one would.
+    On a CUDA GPU only with deterministic (common/determinism.py): cuDNN's autotuner may pick
+    other convolution algorithms in the resumed process, and some kernels add in varying order,
+    so at the default neither a resume nor a second run matched on an H100 (2026-11-25,
+    docs/resume.md). CPUs resume exactly either way (tested)."""
+    return device_type != "cuda" or deterministic
 
 
 def _as_setting(value):
@@ -391,7 +404,11 @@ def resume_training(accelerator, path, cfg, *, progress, scheduler, recipe, data
     returns trainer_state. Then common.schedule.fit_schedule fits the schedule to the plan."""
     order = None if cfg.eval_only else {k: getattr(cfg, k) for k in data_order}
     same = {**{k: getattr(cfg, k) for k in SAME_ON_RESUME}, **extras}
-    state = load_checkpoint(accelerator, path, recipe=recipe, data_order=order, same=same)
+    # Evaluating trains nothing on, so only a training run's line says whether it is exact.
+    exact = cfg.eval_only or exact_resume(accelerator.device.type, cfg.deterministic)
+    state = load_checkpoint(
+        accelerator, path, recipe=recipe, data_order=order, same=same, exact=exact
+    )
     if not cfg.eval_only:  # evaluating steps no schedule
         scheduler.load_state_dict(same_kind(scheduler, state["scheduler"], path))
     progress.load(state)
