@@ -3,6 +3,7 @@ line, and closed cleanly.
 
     accelerator = accelerator_for(cfg)            # build_accelerator() with a run's settings
     model, norm = sync_batchnorm(model, accelerator, cfg.sync_bn)  # before prepare()
+    optimizer = torch.optim.AdamW(params, fused=fused_kernels(accelerator))
     accelerator.print(describe(accelerator, cfg.batch_size))
     ...
     del model, optimizer, train_loader, test_loader   # what holds the process group
@@ -12,6 +13,7 @@ line, and closed cleanly.
 import datetime
 import functools
 import gc
+import inspect
 import os
 
 import accelerate.optimizer
@@ -43,6 +45,7 @@ def build_accelerator(
       pin_memory=True: only a copy from pinned memory is truly asynchronous.
     """
     _ask_for_lomo_once()
+    _read_zero_grad_signature_once()
     log_with = tracker(log_with)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cpu_ddp = world_size > 1 and not torch.cuda.is_available()
@@ -79,7 +82,8 @@ def build_accelerator(
     return accelerator
 
 
-PATCHED_ON = "1.15."  # the Accelerate release whose optimizer.step() _ask_for_lomo_once knows
+# The Accelerate release whose optimizer the two workarounds below know (docs/performance.md).
+PATCHED_ON = "1.15."
 
 
 def accelerator_for(cfg):
@@ -104,6 +108,32 @@ def _ask_for_lomo_once():
     check = getattr(accelerate.optimizer, "is_lomo_available", None)
     if check is not None and not hasattr(check, "cache_info"):
         accelerate.optimizer.is_lomo_available = functools.cache(check)
+
+
+class _SignatureOnce:
+    """The `inspect` that accelerate.optimizer sees: signature(), its one use there, answered
+    once per function (a bound method's answer is its class's); the rest is inspect's own."""
+
+    def __init__(self):
+        self.known = {}
+
+    def signature(self, fn):
+        key = getattr(fn, "__func__", fn)
+        if key not in self.known:
+            self.known[key] = inspect.signature(fn)
+        return self.known[key]
+
+    def __getattr__(self, name):
+        return getattr(inspect, name)
+
+
+def _read_zero_grad_signature_once():
+    """Accelerate 1.15's optimizer.zero_grad() reads the signature of the wrapped optimizer's
+    zero_grad with inspect.signature at every step, to see whether it takes set_to_none (about
+    16 us a step on a CPU core; docs/performance.md). An optimizer's method keeps its signature,
+    so accelerate.optimizer's `inspect` remembers it. Only on 1.15, as _ask_for_lomo_once."""
+    if accelerate.__version__.startswith(PATCHED_ON) and accelerate.optimizer.inspect is inspect:
+        accelerate.optimizer.inspect = _SignatureOnce()
 
 
 def _init_process_group_after_restart(cpu, timeout_s):
@@ -149,6 +179,16 @@ def describe(accelerator, batch):
     return (
         f"{accelerator.num_processes} process(es) on {accelerator.device.type}{backend}, "
         f"precision {precision}{compiled}, {batch}"
+    )
+
+
+def fused_kernels(accelerator):
+    """`fused=` for a torch optimizer that has a fused kernel (AdamW, Adam, SGD): True on CPUs and
+    CUDA GPUs, where one kernel updates all the weights instead of a Python loop over them (on a
+    CPU) or a few foreach kernels per step (on a GPU); None, torch's default kernels, under fp16's
+    gradient scaler: a fused step always runs, so Accelerate could not tell a skipped one."""
+    return (
+        True if accelerator.device.type in ("cpu", "cuda") and accelerator.scaler is None else None
     )
 
 

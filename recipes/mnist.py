@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from common.accelerator import accelerator_for, close, describe
+from common.accelerator import accelerator_for, close, describe, fused_kernels
 from common.cache import cached_tensors
 from common.checkpoint import (
     load_weights,
@@ -205,8 +205,12 @@ def save(accelerator, cfg, progress, scheduler):
     )
 
 
-def make_optimizer(model, cfg, lr):
-    return OPTIMIZERS[cfg.optimizer](model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+def make_optimizer(model, cfg, *, lr, accelerator):
+    """AdamW with fused kernels where they work (fused_kernels); Adadelta has none."""
+    fused = {"fused": fused_kernels(accelerator)} if cfg.optimizer == "adamw" else {}
+    return OPTIMIZERS[cfg.optimizer](
+        model.parameters(), lr=lr, weight_decay=cfg.weight_decay, **fused
+    )
 
 
 def make_scheduler(optimizer, cfg, batches_per_epoch):
@@ -371,7 +375,7 @@ def main(cfg):
 
     # 4. Optimizer and schedule.
     lr = cfg.scaled_lr(accelerator.num_processes)
-    optimizer = make_optimizer(model, cfg, lr)
+    optimizer = make_optimizer(model, cfg, lr=lr, accelerator=accelerator)
     model, optimizer, train_loader, test_loader = accelerator.prepare(
         model, optimizer, train_loader, test_loader
     )

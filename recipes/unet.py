@@ -21,7 +21,7 @@ from accelerate.utils import broadcast, set_seed
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 from tqdm.auto import tqdm
 
-from common.accelerator import accelerator_for, close, describe, sync_batchnorm
+from common.accelerator import accelerator_for, close, describe, fused_kernels, sync_batchnorm
 from common.checkpoint import (
     fit_to_record,
     load_weights,
@@ -489,14 +489,12 @@ def resolved(cfg, data, device):
 
 
 def make_optimizer(model, lr, cfg, accelerator):
-    """AdamW with fused kernels: one update for all the weights, not a Python loop over them. Not
-    under fp16's scaler: a fused step always runs, so Accelerate could not tell a skipped one."""
-    fused = accelerator.device.type in ("cpu", "cuda") and accelerator.scaler is None
+    """AdamW with fused kernels where they work: one update for all the weights (fused_kernels)."""
     return torch.optim.AdamW(
         model.parameters(),
         lr=lr,
         weight_decay=cfg.weight_decay,
-        fused=fused or None,  # None, not False: torch's default kernels
+        fused=fused_kernels(accelerator),
     )
 
 

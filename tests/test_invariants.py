@@ -1,25 +1,53 @@
 """One owner for each invariant (issue 24): small in-process checks of common/ and the recipes'
 shape. The behaviours themselves are tested by launching the recipes, in the other files."""
 
+import inspect
 import re
 
 import accelerate
 import accelerate.optimizer
 import pytest
 
-from common.accelerator import _ask_for_lomo_once
+from common.accelerator import _ask_for_lomo_once, _read_zero_grad_signature_once
 
 
-def test_the_accelerate_patch_applies_only_on_the_release_it_was_measured_on(monkeypatch):
+def test_the_accelerate_patches_apply_only_on_the_release_they_were_measured_on(monkeypatch):
     def is_lomo_available():
         return False
 
     for version, patched in (("1.15.0", True), ("1.16.0", False), ("1.1.5", False)):
         monkeypatch.setattr(accelerate, "__version__", version)
         monkeypatch.setattr(accelerate.optimizer, "is_lomo_available", is_lomo_available)
+        monkeypatch.setattr(accelerate.optimizer, "inspect", inspect)
         _ask_for_lomo_once()
+        _read_zero_grad_signature_once()
         assert hasattr(accelerate.optimizer.is_lomo_available, "cache_info") == patched, version
+        assert (accelerate.optimizer.inspect is not inspect) == patched, version
     assert accelerate.optimizer.is_lomo_available is is_lomo_available  # 1.1.5 left it alone
+
+
+@pytest.mark.slow
+def test_a_prepared_optimizer_reads_its_zero_grad_signature_once(monkeypatch):
+    # Accelerate 1.15 read it with inspect.signature at every zero_grad(), every step.
+    import torch
+
+    from common.accelerator import build_accelerator
+
+    read = []
+    signature = inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda fn: read.append(fn) or signature(fn))
+    monkeypatch.setattr(accelerate.optimizer, "inspect", inspect)  # as a new process has it
+    accelerator = build_accelerator()
+    model = torch.nn.Linear(3, 2)
+    for optimizer in (torch.optim.Adadelta, torch.optim.AdamW):
+        prepared = accelerator.prepare(optimizer(model.parameters()))
+        for _ in range(3):
+            model(torch.ones(1, 3)).sum().backward()
+            prepared.step()
+            prepared.zero_grad()
+            assert all(p.grad is None for p in model.parameters())  # set_to_none, as before
+    # Once in 6 steps: both optimizers have torch's Optimizer.zero_grad.
+    assert sum(getattr(fn, "__name__", "") == "zero_grad" for fn in read) == 1
 
 
 def test_stop_signals_are_caught_only_once_the_recipe_says_so(tmp_path, monkeypatch):

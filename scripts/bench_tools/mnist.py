@@ -48,7 +48,7 @@ def bench_mnist(args, accelerator):
     def new_model():
         set_seed(cfg.seed)  # the same initial weights in every variant
         model = mnist.BasicNet(num_classes=len(train_set.classes))
-        return model, mnist.make_optimizer(model, cfg, lr)
+        return model, mnist.make_optimizer(model, cfg, lr=lr, accelerator=accelerator)
 
     def setup_recipe():
         model, optimizer = new_model()
