@@ -381,7 +381,7 @@ class TensorBatches(TensorDataset):
         indices = torch.as_tensor(indices)
         if self.tensors[0].is_cuda:  # a plain copy to the GPU would wait for all its queued work
             indices = indices.pin_memory().to(self.tensors[0].device, non_blocking=True)
-        return tuple(t[indices] for t in self.tensors)
+        return tuple(t.index_select(0, indices) for t in self.tensors)  # 3x t[indices] on a CPU
 
 
 def class_names(split, column, where):
