@@ -3,17 +3,29 @@
 reduced size, and the mask scan is remembered between starts on the same files."""
 
 import os
+import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import FAST, ONE_THREAD, assert_ok, launch, make_shapes, predict_here, read_metrics
+from conftest import (
+    FAST,
+    ONE_THREAD,
+    REPO,
+    assert_ok,
+    launch,
+    make_shapes,
+    predict_here,
+    read_metrics,
+)
 from PIL import Image, JpegImagePlugin
 
 from common import segmentation_data
 from common.config import parse_config
 from common.data import DataError
 from unet import read_trained
+
+sys.path.append(str(REPO / "scripts"))  # activation_memory.py, after everything else
 
 RECIPE = "recipes/unet.py"
 
@@ -131,56 +143,25 @@ def test_evaluation_batches_hold_a_training_batchs_pixels_unless_told(unet, carv
 @pytest.mark.slow
 def test_evaluation_at_carvanas_size_needs_no_more_memory_than_training(unet):
     # The default U-Net at --scale 0.5 of Carvana (640x960 once padded), batch 4, bf16, with and
-    # without grad_checkpointing: the peak memory of a training step (forward, loss, backward,
-    # AdamW) against the evaluation of the batch that the default eval_batch_size forms (the
-    # model, the loss and the Dice counts). Counted on fake tensors: no memory is used and
-    # nothing is computed. On an H100 the old default, 16 images, took 11.5 GB against
+    # without grad_checkpointing: a training step's peak memory against the evaluation of the
+    # batch that the default eval_batch_size forms, counted on fake tensors (nothing is
+    # allocated or computed). On an H100 the old default, 16 images, took 11.5 GB against
     # training's 8.3 GB (docs/performance.md).
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from activation_memory import training_and_evaluation_peaks
 
-    def peak_bytes(work, *args, tracked):
-        tracker = MemTracker()
-        tracker.track_external(*tracked)
-        with tracker:
-            work(*args)
-        return sum(by_kind["Total"] for by_kind in tracker.get_tracker_snapshot("peak").values())
-
-    batch, (height, width), classes = 4, (640, 960), 2
+    batch, height, width = 4, 640, 960
     images = segmentation_data.eval_batch_images(
         unet.Config.eval_batch_size,
         batch_size=batch,
         train_pixels=height * width,
         eval_pixels=height * width,
     )
-    settings = dict(
-        in_channels=3, num_classes=classes, encoder="", base_channels=64, bilinear=False
-    )
-
-    def batch_of(n):
-        x = torch.randint(0, 256, (n, 3, height, width), dtype=torch.uint8)
-        return x.float() / 255, torch.randint(0, classes, (n, height, width))
-
-    def train_step(model, optimizer, x, y):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(x)
-        unet.loss_per_image(logits, y, num_classes=classes).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-    def evaluation(model, x, y):
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(x).float()
-            unet.loss_per_image(logits, y, num_classes=classes)
-            unet.dice_counts(logits, y, classes)
-
     for checkpointing in (False, True):
-        with FakeTensorMode():
-            model = unet.build_model(settings, grad_checkpointing=checkpointing)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            train_step(model, optimizer, *batch_of(batch))  # the optimizer's state exists now
-            step, evaluated = batch_of(batch), batch_of(images)
-            training = peak_bytes(train_step, model, optimizer, *step, tracked=(model, optimizer))
-            model.eval()
-            evaluating = peak_bytes(evaluation, model, *evaluated, tracked=(model,))
+        training, (evaluating,) = training_and_evaluation_peaks(
+            batch=batch,
+            eval_images=[images],
+            height=height,
+            width=width,
+            grad_checkpointing=checkpointing,
+        )
         assert evaluating <= training, (checkpointing, images, evaluating, training)
