@@ -5,6 +5,7 @@ import dataclasses
 import sys
 
 import torch
+import torch.nn as nn
 from accelerate.utils import set_seed
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
@@ -31,6 +32,17 @@ class ClassicMNIST(Dataset):
         return self.transform(Image.fromarray(self.images[i])), int(self.labels[i])
 
 
+class TinyNet(nn.Module):
+    """One Linear layer on the flattened digit (--tiny_model): its step is nearly all host work."""
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.fc = nn.Linear(28 * 28, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(x, 1))
+
+
 def bench_mnist(args, accelerator):
     """Set up the MNIST variants. Returns (info, {variant: setup}), where setup() builds the
     variant and returns rep(): train one repetition and return the number of samples."""
@@ -47,7 +59,8 @@ def bench_mnist(args, accelerator):
 
     def new_model():
         set_seed(cfg.seed)  # the same initial weights in every variant
-        model = mnist.BasicNet(num_classes=len(train_set.classes))
+        classes = len(train_set.classes)
+        model = TinyNet(classes) if args.tiny_model else mnist.BasicNet(num_classes=classes)
         return model, mnist.make_optimizer(model, cfg, lr=lr, accelerator=accelerator)
 
     def setup_recipe():
@@ -105,7 +118,7 @@ def bench_mnist(args, accelerator):
         "batch_size": cfg.batch_size,
         "steps_per_rep": steps,
         "samples_per_rep": sum(sizes),
-        "model": "BasicNet",
+        "model": "TinyNet (one Linear layer)" if args.tiny_model else "BasicNet",
         "optimizer": f"{cfg.optimizer}(lr={lr:g}, weight_decay={cfg.weight_decay:g}), scheduler "
         f"{cfg.scheduler}; recipes/mnist.py make_optimizer and make_scheduler",
         "recipe_loop": f"recipes/mnist.py make_loaders + train_one_epoch (num_workers "

@@ -83,6 +83,12 @@ def paired(results, a, b):
     return round(statistics.median(x / y for x, y in pairs), 3)
 
 
+def apart_per_step(results, a, b, steps):
+    """The median over rounds of a's seconds per step less b's in the same round, in us."""
+    pairs = zip(results[a]["seconds"], results[b]["seconds"])
+    return round(statistics.median((x - y) / steps * 1e6 for x, y in pairs), 1)
+
+
 def read_into(stream, chunks):
     """Append everything `stream` gives until it closes to the list `chunks`."""
     chunks.append(stream.read())
