@@ -193,12 +193,22 @@ def _convert(value, kind, *, optional, where):
     raise ConfigError(f"{where} must be {_a(kind, optional)}, got {value!r}")
 
 
-def _split_argv(argv):
-    """['--a', '1', '--b=2', '--flag'] -> [('a', '1'), ('b', '2'), ('flag', None)]."""
-    pairs, i = [], 0
+def _split_argv(argv, positional=None):
+    """['--a', '1', '--b=2', '--flag'] -> [('a', '1'), ('b', '2'), ('flag', None)]. positional:
+    the field that one argument without a --name sets, if any."""
+    pairs, i, given = [], 0, None
     while i < len(argv):
         arg = argv[i]
+        if positional and not arg.startswith("-") and given is None:
+            pairs.append((positional, arg))
+            given, i = arg, i + 1
+            continue
         if not arg.startswith("--") or arg == "--":
+            if positional:
+                raise ConfigError(
+                    f"unexpected argument {arg!r} after {given!r}: give one {positional} pattern, "
+                    f"quoted so that the shell leaves it alone, like 'photos/*.jpg'"
+                )
             raise ConfigError(
                 f"unexpected argument {arg!r}: settings are given as --name value or --name=value"
             )
@@ -235,8 +245,10 @@ def read_yaml(path):
     return data
 
 
-def parse_config(cls, argv=None):
+def parse_config(cls, argv=None, positional=None):
     """Build a `cls` instance from its defaults, then `--config FILE`, then `--field value` pairs.
+    positional: the field that one argument without a --name sets (a serving file's image glob:
+    `unet_predict.py --weights W "photos/*.jpg"`); without it, such an argument is an error.
 
     `-h` or `--help` anywhere in argv raises ShowHelp(help_text(cls)) before any other check.
     """
@@ -244,7 +256,7 @@ def parse_config(cls, argv=None):
     if "-h" in argv or "--help" in argv:
         raise ShowHelp(help_text(cls))
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    pairs = _split_argv(argv)
+    pairs = _split_argv(argv, positional)
 
     def check_name(name, source):
         if name not in fields:

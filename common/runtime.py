@@ -46,8 +46,9 @@ def _stop_loader_workers():
             obj._shutdown_workers()
 
 
-def run(main, config_class, argv=None):
+def run(main, config_class, argv=None, positional=None):
     """Parse the config, call main(cfg), and turn user errors into one line and exit status 2.
+    positional: the setting that an argument without a --name gives (parse_config).
 
     Once the recipe calls common.signals.catch_stop_signals(), Ctrl-C and SIGTERM only set a flag
     that the training loop polls, so it can write a checkpoint and exit cleanly on every rank
@@ -65,7 +66,7 @@ def run(main, config_class, argv=None):
     gc.freeze()
     failed = False
     try:
-        main(parse_config(config_class, argv))
+        main(parse_config(config_class, argv, positional))
     except ShowHelp as e:  # --help or -h
         print(e)
         code = 0

@@ -36,7 +36,8 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from common.cache import cached_tensors, read_json, write_json
-from common.config import ConfigError, require
+from common.checkpoint import read_record
+from common.config import ConfigError, UserError, require
 from common.data import (
     IMAGE_ERRORS,
     DataError,
@@ -931,3 +932,54 @@ def load_segmentation(
     return SegmentationData(
         train, val, *known, budget, batch, shape, reading, cached, eval_batch_size, evaluation
     )
+
+
+# ---- The weights file's record: what predict needs besides the weights ----
+
+RECORD = "segmentation"  # the entry of a weights file's metadata that holds it (record_metadata)
+# The model's settings; the classes' mask values (and those ignored in training); how images were
+# sized (input_size, or each its own size times scale); the flips of training (predict_flip).
+RECORDED = ("model", "mask_values", "ignored", "ignore_unlisted", "colour_masks", "input_size")
+RECORDED += ("scale", "flips")
+# Recorded since, with what a file written before means: no names, class 0 the background, and
+# the recipe's colours.
+OPTIONAL = {"class_names": None, "background": 0, "colours": None}
+
+
+def weights_record(data, *, model, scale, flips):
+    """The record of a training run on `data` (SegmentationData), for its weights files: `model`,
+    the settings that rebuild the model; the classes' mask values, the values ignored and how
+    (predict never writes them), and whether they are colours; the input size (None: each image
+    its own, times `scale`); the flips of training; the class names, the background class and
+    the dataset's colours, for predict's overlays."""
+    return {
+        "model": model,
+        "mask_values": data.values,
+        "ignored": list(data.classes.ignored),
+        "ignore_unlisted": data.classes.unlisted_ignored,
+        "colour_masks": data.classes.colour,
+        "input_size": data.input_size,
+        "scale": scale,
+        "flips": flips,
+        "class_names": list(data.classes.names or []) or None,
+        "background": data.background,
+        "colours": data.colours,
+    }
+
+
+def read_weights_record(path, model_settings):
+    """The record (weights_record) of a weights file, a .safetensors or an .onnx exported from
+    one, or None for one that holds none, such as a torch.save'd state_dict. One that an older
+    version of the recipe wrote, recording less (RECORDED, or the model's `model_settings`),
+    stops with a line that says to train again."""
+    record = read_record(path, RECORD) if path else None
+    if record is None:
+        return None
+    missing = sorted(set(RECORDED) - set(record))
+    missing = missing or sorted(set(model_settings) - set(record["model"]))
+    if missing:
+        raise UserError(
+            f"{path} records no {', '.join(missing)}: an older version of this recipe wrote it; "
+            f"train the model again to write it anew"
+        )
+    return {**OPTIONAL, **record}

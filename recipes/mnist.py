@@ -41,23 +41,20 @@ from common.data import (
     class_labels,
     class_names,
     decode_images,
-    image_files,
     load_splits,
     random_shift,
-    read_image,
     require_one_batch_per_process,
     seeded_loader,
 )
 from common.determinism import set_deterministic
 from common.ema import EMA
-from common.export import export_onnx
 from common.metrics import peak_memory_mb, reset_peak_memory
-from common.outputs import open_run, stop_together, write_csv
+from common.outputs import open_run
 from common.progress import Progress
 from common.runtime import run
 from common.schedule import fit_schedule
 from common.signals import catch_stop_signals
-from common.tracking import save_labelled, start_logging
+from common.tracking import start_logging
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
 OPTIMIZERS = {"adadelta": torch.optim.Adadelta, "adamw": torch.optim.AdamW}
@@ -116,6 +113,11 @@ class BasicNet(nn.Module):
         x = torch.flatten(self.dropout1(x), 1)
         x = self.dropout2(F.relu(self.fc1(x)))
         return self.fc2(x)  # logits
+
+
+def build_model(classes):
+    """The model, with an output per class (a list of names): for training, predict and export."""
+    return BasicNet(num_classes=len(classes))  # ADAPT: your model
 
 
 # ADAPT: your input: what the model takes, for training and predict alike.
@@ -271,60 +273,6 @@ def evaluate(model, loader, accelerator, ema=None):
     }
 
 
-def predict(cfg, accelerator, model, classes):
-    """Label the image files of the --predict glob: a CSV row per file, in sorted order, with the
-    names of its top_k classes and their probabilities. Each process labels a share of the
-    files, converted as in training (to_batch, normalize)."""
-    if cfg.top_k > len(classes):
-        raise UserError(f"top_k {cfg.top_k} is more than the model's {len(classes)} classes")
-    files = image_files(cfg.predict)  # every process lists them all, so bad ones stop all alike
-    model = model.to(accelerator.device).eval()
-    rows = []
-    with accelerator.split_between_processes(files) as share, stop_together(accelerator):
-        for start in range(0, len(share), cfg.eval_batch_size):
-            paths = share[start : start + cfg.eval_batch_size]
-            x = to_batch([read_image(p) for p in paths], paths).to(accelerator.device)
-            with torch.inference_mode(), accelerator.autocast():
-                probabilities = F.softmax(model(normalize(x)).float(), dim=1)
-            top = probabilities.topk(cfg.top_k, dim=1)  # sorted, most likely first
-            for path, labels, chances in zip(paths, top.indices.tolist(), top.values.tolist()):
-                row = [path]
-                for label, p in zip(labels, chances):
-                    row += [classes[label], f"{p:.6f}"]
-                rows.append(row)
-    header = ["file", "label", "probability"]
-    header += [
-        f"{column}_{i}" for i in range(2, cfg.top_k + 1) for column in ("label", "probability")
-    ]
-    path = cfg.predict_csv or Path(cfg.output_dir) / "predictions.csv"
-    count = write_csv(accelerator, rows, path, header=header)  # gathered in order, written once
-    accelerator.print(f"wrote {count} predictions to {path}")
-
-
-def check_data(cfg, accelerator, count=32):
-    """--check_data: the data read as training reads it, with the same one-line errors; then
-    each class's samples in each split, and the first `count` training images with their class
-    names in output_dir/data_check.png. No training."""
-    train_loader, test_loader = make_loaders(cfg)
-    classes = train_loader.dataset.classes
-    train_y, test_y = (loader.dataset.tensors[1] for loader in (train_loader, test_loader))
-    accelerator.print(
-        f"{NAME} data check: {len(train_y)} {cfg.train_split} / {len(test_y)} {cfg.test_split} "
-        f"samples of {len(classes)} classes"
-    )
-    width = max(len(name) for name in classes) + 6
-    accelerator.print(f"{'class':<{width}}{cfg.train_split:>10}{cfg.test_split:>10}")
-    counts = [torch.bincount(y, minlength=len(classes)).tolist() for y in (train_y, test_y)]
-    for i, name in enumerate(classes):
-        accelerator.print(f"{i:<5} {name:<{width - 6}}{counts[0][i]:>10}{counts[1][i]:>10}")
-    if accelerator.is_main_process:
-        path = Path(cfg.output_dir) / "data_check.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        x, y = train_loader.dataset.tensors[0][:count], train_y[:count]
-        save_labelled(x, [classes[i] for i in y.tolist()], path)
-        print(f"wrote {path}: the first {len(y)} training images, with their classes")
-
-
 def recorded_classes(weights):
     """The class names that a weights file this recipe wrote records (save_weights' metadata),
     or None (no file, or one that records none, such as a state_dict .pt)."""
@@ -336,42 +284,29 @@ def main(cfg):
     accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
     set_deterministic(cfg.deterministic)
-    if cfg.check_data:  # the data as training reads it, and a picture of it; no training
-        check_data(cfg, accelerator)
-        return close(accelerator)
+    if cfg.predict or cfg.export or cfg.check_data:  # not training: mnist_predict.py serves
+        # ADAPT: your copy's serving file; imported here, not above, as it imports this one
+        from mnist_predict import serve
 
-    # 2. Model: made in this one place, for training, predict and export alike, with an output
-    # per class: those that the weights file records, else the data's.
-    classes = recorded_classes(cfg.weights) or data_classes(cfg)
-    model = BasicNet(num_classes=len(classes))
-    load_weights(model, cfg.weights)  # --weights, if given
-    if cfg.predict:  # a mode of its own: a CSV of labels, no run folder, no data
-        predict(cfg, accelerator, model, classes)
-        return close(accelerator)
-    if cfg.export:  # a mode of its own: an .onnx file beside the weights (common/export.py)
-        x = normalize(next(iter(make_loaders(cfg)[1]))[0][:8])  # 8 test digits
-        export_onnx(
-            accelerator,
-            model,
-            inputs=[x, x[:3]],
-            weights=cfg.weights,
-            metadata=record_metadata("classes", classes, recipe=NAME),
-            dynamic={0: "batch"},  # any batch size
-        )
-        return close(accelerator)
+        return serve(cfg, accelerator)
     out, checkpoint = open_run(accelerator, cfg)
 
-    # 3. Data: every process loads it (bad data fails alike on every rank); prepare() shards it.
+    # 2. Data: every process loads it (bad data fails alike on every rank); prepare() shards it.
     train_loader, test_loader = make_loaders(cfg, accelerator.device)
-    if train_loader.dataset.classes != classes:
-        raise DataError(
-            f"{cfg.weights} was trained on the classes {', '.join(classes)}; {cfg.dataset} has "
-            f"{', '.join(train_loader.dataset.classes)}: train on data with the same classes"
-        )
+    classes = train_loader.dataset.classes  # the data's: its ClassLabel's names, or 0..the last
     require_one_batch_per_process(
         len(train_loader.dataset), cfg.batch_size, accelerator, what=f"the {cfg.train_split} split"
     )
     metrics = start_logging(accelerator, cfg, NAME, checkpoint=checkpoint)
+
+    # 3. Model: an output per class; with --weights, trained on the same classes.
+    if recorded_classes(cfg.weights) not in (None, classes):
+        raise DataError(
+            f"{cfg.weights} was trained on the classes {', '.join(recorded_classes(cfg.weights))}; "
+            f"{cfg.dataset} has {', '.join(classes)}: train on data with the same classes"
+        )
+    model = build_model(classes)
+    load_weights(model, cfg.weights)  # --weights, if given
 
     # 4. Optimizer and schedule.
     lr = cfg.scaled_lr(accelerator.num_processes)

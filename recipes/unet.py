@@ -1,12 +1,14 @@
 """U-Net semantic segmentation, as in milesial/Pytorch-UNet, on any number of processes.
 
     make data/shapes && python recipes/unet.py --epochs 10        # one process, the default data
-    accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/unet.py --dataset DIR
+    accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/unet.py --images DIR \
+        --masks DIR --mask_name "{stem}_mask.png"               # your folders: docs/unet.md
     python recipes/unet.py --predict "photos/*.jpg" --weights runs/unet/model.safetensors --overlay
 
 The accelerate config picks CPU, GPUs and fp16/bf16. Settings: the Config fields below and
-common.config's RunConfig, by `--config run.yaml` and `--field value`. Copy this file to start
-your own recipe; `# ADAPT:` marks what to change: here, and in unet_data.py, the data.
+common.config's RunConfig, by `--config run.yaml` and `--field value`. This file trains;
+predict, export and the data check are unet_predict.py's. Copy these files to start your own
+recipe; `# ADAPT:` marks what to change: here, and in unet_data.py, the data.
 """
 
 import sys
@@ -25,7 +27,6 @@ from common.accelerator import accelerator_for, close, describe, fused_kernels, 
 from common.checkpoint import (
     fit_to_record,
     load_weights,
-    read_record,
     record_metadata,
     resume_training,
     save_training,
@@ -35,7 +36,6 @@ from common.config import RunConfig, UserError, require, require_at_least
 from common.data import crop_and_flip
 from common.determinism import set_deterministic
 from common.ema import EMA
-from common.export import OnnxModel, export_onnx
 from common.inference import predicted_classes, segment
 from common.metrics import class_scores, confusion_counts, peak_memory_mb, reset_peak_memory
 from common.outputs import open_run
@@ -45,25 +45,30 @@ from common.schedule import fit_schedule
 from common.segmentation_data import (
     IGNORE,
     MODES,
+    RECORD,
     load_segmentation,
-    parse_values,
-    read_class_names,
+    read_weights_record,
     show_value,
     value_count,
+    weights_record,
 )
 from common.signals import catch_stop_signals
-from common.tracking import image_panel, save_overlays, start_logging
-from unet_data import SHAPES, Pairs, list_pairs, mask_classes  # ADAPT: your data
+from common.tracking import image_panel, start_logging
+from unet_data import (  # ADAPT: your data
+    Pairs,
+    check_data_settings,
+    list_pairs,
+    mask_classes,
+)
 from unet_model import (  # ADAPT: your model
     ENCODER_MEAN,
     ENCODER_STD,
-    ENCODERS,
     MIN_SIZE,
     PAD_MULTIPLE,
     build_unet,
+    check_model_settings,
     load_encoder_weights,
 )
-from unet_predict import predict_batches, predict_files, sample_images, write_masks
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
 
@@ -140,8 +145,7 @@ class Config(RunConfig):
 
     def validate(self):
         super().validate()
-        require_at_least(self, 0, "weight_decay", "grad_clip", "num_classes", "max_batch_pixels")
-        require_at_least(self, 1, "base_channels")
+        require_at_least(self, 0, "weight_decay", "grad_clip", "max_batch_pixels")
         require(
             self.scheduler in ("cosine", "plateau"),
             f"scheduler must be cosine or plateau, got {self.scheduler!r}",
@@ -161,71 +165,15 @@ class Config(RunConfig):
             not self.bucket_by_size or not (size or self.crop_size),
             "bucket_by_size trains on the images' own sizes: leave image_size, crop_size at 0",
         )
-        require(
-            self.in_channels in (0, *MODES),
-            f"in_channels must be 0 (from the images), 1, 2, 3 or 4, got {self.in_channels}",
-        )
-        require(
-            self.encoder in ("", *ENCODERS),
-            f"encoder must be empty (the classic U-Net) or {', '.join(ENCODERS)}, got "
-            f"{self.encoder!r}",
-        )
-        require(
-            not self.encoder or self.in_channels in (0, 3),
-            f"a {self.encoder} encoder takes RGB: leave in_channels at 0 (images are read as RGB)",
-        )
-        require(not self.encoder or not self.bilinear, "an encoder's decoder always interpolates")
-        require(
-            not self.encoder_weights or self.encoder,
-            "encoder_weights needs an encoder: add --encoder resnet34 (or resnet18, resnet50)",
-        )
+        check_model_settings(self)  # unet_model.py
+        check_data_settings(self)  # unet_data.py
         require(
             self.best_metric in ("miou", "dice"),
             f"best_metric must be miou or dice, got {self.best_metric!r}",
         )
         require(self.focal_gamma >= 0, f"focal_gamma must be 0 or more, got {self.focal_gamma}")
-        names, listed = read_class_names(self.class_names) if self.class_names else (None, None)
-        require(
-            not (listed and self.mask_values),
-            f"class_names {self.class_names} gives the mask values: leave out --mask_values",
-        )
-        if self.ignore_index:
-            parse_values(self.ignore_index, "--ignore_index", listed and dict(zip(names, listed)))
-        require(
-            bool(self.images) == bool(self.masks),
-            "--images and --masks go together: the folder of the images, and of their masks",
-        )
-        require(
-            not self.images or self.dataset == SHAPES,
-            "choose one of --dataset and --images (with --masks)",
-        )
-        require(
-            not self.val_images or self.images,
-            "--val_images needs --images and --masks: the training images and their masks",
-        )
-        require(
-            not self.val_masks or self.val_images,
-            "--val_masks needs --val_images: the validation images whose masks it holds",
-        )
-        require(
-            not self.mask_name or "{stem}" in self.mask_name,
-            f"mask_name names a mask after its image's stem, like {{stem}}_mask.png; got "
-            f"{self.mask_name!r}",
-        )
         if self.class_weights and self.class_weights != "auto":
             listed_weights(self.class_weights)
-        require(
-            0 < self.val_fraction < 1,
-            f"val_fraction must be between 0 and 1, got {self.val_fraction}",
-        )
-        if self.mask_values:
-            count = value_count(self.num_classes) if self.num_classes else None
-            given = parse_values(self.mask_values, "--mask_values")
-            require(
-                count in (None, len(given)),
-                f"mask_values needs one value per class ({count} for num_classes "
-                f"{self.num_classes}), got {self.mask_values!r}",
-            )
         require(
             not self.predict_flip or self.eval_only or self.predict or self.hflip or self.vflip,
             "predict_flip averages over the flips of training: set hflip or vflip above 0",
@@ -262,14 +210,6 @@ def image_size(cfg):
 # ADAPT: your model: the Config fields that build it, recorded in the weights file for predict.
 MODEL_SETTINGS = ("in_channels", "num_classes", "encoder", "base_channels", "bilinear")
 INFERRED = ("in_channels", "num_classes")  # 0: from the data, or from the weights file
-RECORD = "segmentation"  # the weights file's entry for predict: settings, classes, size, flips
-# What predict needs besides the model's settings: the classes' mask values (and those ignored in
-# training), how images were sized (input_size, or each its own size times scale), the flips.
-RECORDED = ("model", "mask_values", "ignored", "ignore_unlisted", "colour_masks", "input_size")
-RECORDED += ("scale", "flips")
-# Recorded since, with what a file written before means: no names, class 0 the background, and
-# the recipe's colours.
-OPTIONAL = {"class_names": None, "background": 0, "colours": None}
 
 
 def build_model(settings, grad_checkpointing=False):
@@ -279,37 +219,10 @@ def build_model(settings, grad_checkpointing=False):
 
 
 def read_trained(path):
-    """The record of a weights file that this recipe wrote (record_metadata), or None for one
-    that holds none, such as a torch.save'd state_dict. One that an older version of the recipe
-    wrote, recording less, stops with a line that says to train again."""
-    record = read_record(path, RECORD) if path else None
-    if record is None:
-        return None
-    missing = sorted(set(RECORDED) - set(record))
-    missing = missing or sorted(set(MODEL_SETTINGS) - set(record["model"]))
-    if missing:
-        raise UserError(
-            f"{path} records no {', '.join(missing)}: an older version of this recipe wrote it; "
-            f"train the model again to write it anew"
-        )
-    return {**OPTIONAL, **record}
-
-
-def trained_model(path, device="cpu"):
-    """(model, record) for predict and export: the model that the weights file's record
-    describes, with its weights, in eval mode; for an .onnx file, an onnxruntime session that
-    is called alike."""
-    record = read_trained(path)
-    if record is None:
-        raise UserError(
-            f"{path} holds no settings of this recipe: predict and export need a model.safetensors "
-            f"that its training wrote (train again if an older version wrote it)"
-        )
-    if Path(path).suffix == ".onnx":
-        return OnnxModel(path), record
-    model = build_model(record["model"])
-    load_weights(model, path)
-    return model.to(device).eval(), record
+    """What the weights file `path` records of its training (weights_record: these
+    MODEL_SETTINGS, the classes, the input size, the flips), or None for a file that records
+    none, such as a torch.save'd state_dict; --weights of training, and predict and export."""
+    return read_weights_record(path, MODEL_SETTINGS)
 
 
 # ADAPT: your input: a uint8 batch [N, C, H, W] as floats (training, predict and export); with a
@@ -391,37 +304,6 @@ def class_weights(cfg, class_pixels):
     return (weights / (weights * share).sum()).float()
 
 
-DOMINANT = 0.9  # the share of pixels above which one class is said to dominate
-
-
-def imbalance_note(cfg, data):
-    """A start-up line when one class holds most of the training pixels and neither class_weights
-    nor focal_gamma is set: the model may then learn that class alone, which Dice hides."""
-    pixels = data.class_pixels
-    top = max(range(len(pixels)), key=pixels.__getitem__)
-    share = pixels[top] / max(sum(pixels), 1)
-    if share <= DOMINANT or cfg.class_weights or cfg.focal_gamma:
-        return None
-    value = show_value(data.values[top], data.classes.colour)
-    name = f"{data.names[top]}, " if data.classes.names else ""
-    return (
-        f"note: class {top} ({name}mask value {value}) holds {share:.0%} of the training pixels: "
-        f"if the model learns it alone (miou near {1 / len(pixels):.2f}), set --class_weights auto"
-    )
-
-
-def dice_note(cfg, data):
-    """The start-up line that says which classes `dice` averages: all but the background, the
-    class of the most training pixels unless --background names one."""
-    covered = [data.names[c] for c in dice_classes(cfg.num_classes, data.background)]
-    why = "as --background says" if cfg.background else "the most pixels; --background changes it"
-    more = f" ... ({len(covered)} in all)" if len(covered) > 12 else ""
-    return (
-        f"dice: per image, the mean over those of classes {', '.join(covered[:12])}{more} in "
-        f"its mask or prediction; background: {data.names[data.background]} ({why})"
-    )
-
-
 # ADAPT: your metric. Per image and class but the background: |pred & true| and |pred| + |true|,
 # of hard predictions; ignored pixels (IGNORE) are in neither. evaluate() makes the mean Dice.
 def dice_counts(logits, target, num_classes, background=0):
@@ -435,121 +317,6 @@ def dice_counts(logits, target, num_classes, background=0):
 def dice_classes(num_classes, background):
     """The classes whose Dice the `dice` figure averages: all but the background."""
     return [c for c in range(value_count(num_classes)) if c != background]
-
-
-def load_data(cfg, accelerator, trained=None):
-    """The loaders, and what the data decides (classes, input size, channels): unet_data.py lists
-    and reads the pairs, common/segmentation_data.py does the rest (the scan of every mask on
-    all processes, decoding, augmentation's random numbers, bucketing). trained: the record of
-    --weights, whose classes are the classes."""
-    train_pairs, val_pairs = (Pairs(listed) for listed in list_pairs(cfg))
-    return load_segmentation(
-        train_pairs,
-        val_pairs,
-        accelerator=accelerator,
-        classes=mask_classes(cfg, trained),
-        fixed="--mask_values" if cfg.mask_values else cfg.weights,
-        num_classes=cfg.num_classes,
-        in_channels=3 if cfg.encoder else cfg.in_channels,  # an encoder takes RGB
-        image_size=image_size(cfg),
-        scale=cfg.scale,
-        bucket_by_size=cfg.bucket_by_size,
-        max_batch_pixels=cfg.max_batch_pixels,
-        cache_images=cfg.cache_images,
-        cache_decoded=cfg.cache_decoded,
-        batch_size=cfg.batch_size,
-        eval_batch_size=cfg.eval_batch_size,
-        crop_size=cfg.crop_size,
-        seed=cfg.seed,
-        num_workers=cfg.num_workers,
-        pad_multiple=PAD_MULTIPLE,
-        min_size=max(MIN_SIZE, cfg.crop_size),
-        background=cfg.background,
-    )
-
-
-def resolved(cfg, data, device):
-    """(cfg, class weights): cfg with what the data and the device decide, as main() trains and
-    scripts/bench.py measures it, so that the two cannot drift apart. The data (load_data)
-    decides num_classes, in_channels, max_batch_pixels, cache_images and eval_batch_size (0: by
-    pixels); channels_last auto is on with CUDA, off on CPUs (docs/performance.md). The loss's
-    class weights are on `device`, or None unless class_weights is set."""
-    auto = cfg.channels_last is None
-    cfg = replace(
-        cfg,
-        num_classes=data.num_classes,
-        in_channels=data.in_channels,
-        max_batch_pixels=data.max_batch_pixels,
-        cache_images=data.cached,
-        eval_batch_size=data.eval_batch_size,
-        channels_last=device.type == "cuda" if auto else cfg.channels_last,
-    )
-    weights = class_weights(cfg, data.class_pixels)
-    return cfg, None if weights is None else weights.to(device)
-
-
-def make_optimizer(model, lr, cfg, accelerator):
-    """AdamW with fused kernels where they work: one update for all the weights (fused_kernels)."""
-    return torch.optim.AdamW(
-        model.parameters(),
-        lr=lr,
-        weight_decay=cfg.weight_decay,
-        fused=fused_kernels(accelerator),
-    )
-
-
-def flips_to_average(cfg, trained):
-    """predict_flip: the flips of training ("h", "v", both) that segment() averages over; else
-    none. `trained`: those of this run's settings, or of the weights file it evaluates."""
-    if not cfg.predict_flip:
-        return ""
-    if not trained:
-        raise UserError(
-            "predict_flip averages over the flips of training, and this model was trained with "
-            "none (hflip and vflip 0): leave predict_flip off"
-        )
-    return trained
-
-
-# The settings that fix each process's batches: a mid-epoch checkpoint resumes only with these.
-DATA_ORDER = (
-    "dataset",
-    "images",
-    "val_images",
-    "train_list",
-    "val_list",
-    "train_split",
-    "val_fraction",
-    "seed",
-    "batch_size",
-    "gradient_accumulation_steps",
-    "bucket_by_size",
-    "max_batch_pixels",
-    "scale",
-)
-
-
-def save(accelerator, cfg, *, progress, scheduler, classes):
-    """A checkpoint: Accelerate's state, the position in the data, the LR schedule, DATA_ORDER,
-    and the classes' mask values and those ignored, which a resume needs the same."""
-    save_training(
-        accelerator,
-        cfg,
-        progress=progress,
-        scheduler=scheduler,
-        recipe=NAME,
-        data_order=DATA_ORDER,
-        **same_classes(classes),
-    )
-
-
-def same_classes(classes):
-    """What a checkpoint records of the classes, by the names of their settings."""
-    return {
-        "mask_values": list(classes.values),
-        "ignore_index": list(classes.ignored),
-        "ignore_unlisted": classes.unlisted_ignored,
-    }
 
 
 def train_one_epoch(
@@ -685,70 +452,158 @@ def evaluate(
     return result, panel
 
 
-def predict(cfg, accelerator):
-    """A mask PNG per image of the --predict glob, at the image's size, in the training masks'
-    values or colours (unet_predict.py); --overlay also paints the classes on the image. Each
-    process does a share."""
-    model, record = trained_model(cfg.weights, accelerator.device)
-    cfg = replace(cfg, **record["model"])  # the model's settings: prepare_input as in training
-    flips = flips_to_average(cfg, record["flips"])
-    out = Path(cfg.predict_dir or Path(cfg.output_dir) / "predictions")
-    out.mkdir(parents=True, exist_ok=True)
-    files = predict_files(cfg.predict)
-    batches = predict_batches(
-        files,
-        record,
-        batch_size=cfg.eval_batch_size or cfg.batch_size,
-        accelerator=accelerator,
-        multiple=PAD_MULTIPLE,
-    )
-    for paths, images, x, sizes in batches:
-        with torch.inference_mode(), accelerator.autocast():
-            x_in = prepare_input(x, cfg)
-            logits = segment(model, x_in, tile=cfg.predict_tile, flips=flips, multiple=PAD_MULTIPLE)
-        write_masks(paths, images, logits, record, out, sizes=sizes, overlay=cfg.overlay)
-    accelerator.wait_for_everyone()
-    values = [show_value(v, record["colour_masks"]) for v in record["mask_values"]]
-    if record["class_names"]:
-        values = [f"{v} {name}" for v, name in zip(values, record["class_names"])]
-    accelerator.print(f"wrote {len(files)} masks (values {', '.join(values)}) to {out}/")
-
-
-def check_data(cfg, accelerator, count=8):
-    """--check_data: the data read as training reads it, with the same one-line errors; then
-    each class's share of the training pixels, every start-up note, and the first `count`
-    training images as the model sees them, with their masks painted on, in
-    output_dir/data_check.png. No training, no checkpoint."""
-    trained = read_trained(cfg.weights)  # --weights: its classes
-    data = load_data(cfg, accelerator, trained)
-    cfg = replace(cfg, num_classes=data.num_classes)
-    accelerator.print(f"{NAME} data check: {MODES[data.in_channels]} images; {data}")
-    for line in [*data.table, dice_note(cfg, data), *data.notes, imbalance_note(cfg, data)]:
-        if line:
-            accelerator.print(line)
-    if accelerator.is_main_process:
-        train_set = data.train_loader.dataset
-        samples = [train_set[i][:2] for i in range(min(count, len(train_set)))]
-        path = Path(cfg.output_dir) / "data_check.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_overlays(samples, path, colours=data.colours, background=data.background)
-        print(f"wrote {path}: {len(samples)} training images, their classes painted on")
-
-
-def export_inputs(cfg, record):
-    """Inputs that check an export (unet_predict.sample_images): validation images of this
-    recipe's own data, or random pixels where there is none (no --dataset, data/shapes not made:
-    weights copied from elsewhere)."""
-    if cfg.dataset == SHAPES and not cfg.images and not Path(SHAPES).exists():
-        source = f"no --dataset, {SHAPES} is not made"
-        return sample_images(None, record, multiple=PAD_MULTIPLE, source=source)
-    val_pairs = Pairs(list_pairs(cfg)[1])
-    return sample_images(val_pairs, record, multiple=PAD_MULTIPLE, source=cfg.images or cfg.dataset)
-
-
 def scalars(result):
     """The numbers of an evaluation result for a tracker: the per-class ones stay out."""
     return {k: v for k, v in result.items() if not isinstance(v, dict)}
+
+
+# ---- What main() sets up: the data, the optimizer, checkpoints and the start-up notes ----
+
+
+def load_data(cfg, accelerator, trained=None):
+    """The loaders, and what the data decides (classes, input size, channels): unet_data.py lists
+    and reads the pairs, common/segmentation_data.py does the rest (the scan of every mask on
+    all processes, decoding, augmentation's random numbers, bucketing). trained: the record of
+    --weights, whose classes are the classes."""
+    train_pairs, val_pairs = (Pairs(listed) for listed in list_pairs(cfg))
+    return load_segmentation(
+        train_pairs,
+        val_pairs,
+        accelerator=accelerator,
+        classes=mask_classes(cfg, trained),
+        fixed="--mask_values" if cfg.mask_values else cfg.weights,
+        num_classes=cfg.num_classes,
+        in_channels=3 if cfg.encoder else cfg.in_channels,  # an encoder takes RGB
+        image_size=image_size(cfg),
+        scale=cfg.scale,
+        bucket_by_size=cfg.bucket_by_size,
+        max_batch_pixels=cfg.max_batch_pixels,
+        cache_images=cfg.cache_images,
+        cache_decoded=cfg.cache_decoded,
+        batch_size=cfg.batch_size,
+        eval_batch_size=cfg.eval_batch_size,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+        crop_size=cfg.crop_size,
+        pad_multiple=PAD_MULTIPLE,
+        min_size=max(MIN_SIZE, cfg.crop_size),
+        background=cfg.background,
+    )
+
+
+def resolved(cfg, data, device):
+    """(cfg, class weights): cfg with what the data and the device decide, as main() trains and
+    scripts/bench.py measures it, so that the two cannot drift apart. The data (load_data)
+    decides num_classes, in_channels, max_batch_pixels, cache_images and eval_batch_size (0: by
+    pixels); channels_last auto is on with CUDA, off on CPUs (docs/performance.md). The loss's
+    class weights are on `device`, or None unless class_weights is set."""
+    auto = cfg.channels_last is None
+    cfg = replace(
+        cfg,
+        num_classes=data.num_classes,
+        in_channels=data.in_channels,
+        max_batch_pixels=data.max_batch_pixels,
+        cache_images=data.cached,
+        eval_batch_size=data.eval_batch_size,
+        channels_last=device.type == "cuda" if auto else cfg.channels_last,
+    )
+    weights = class_weights(cfg, data.class_pixels)
+    return cfg, None if weights is None else weights.to(device)
+
+
+def make_optimizer(model, lr, cfg, accelerator):
+    """AdamW with fused kernels where they work: one update for all the weights (fused_kernels)."""
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=lr,
+        weight_decay=cfg.weight_decay,
+        fused=fused_kernels(accelerator),
+    )
+
+
+def flips_to_average(cfg, trained):
+    """predict_flip: the flips of training ("h", "v", both) that segment() averages over; else
+    none. `trained`: those of this run's settings, or of the weights file it evaluates."""
+    if not cfg.predict_flip:
+        return ""
+    if not trained:
+        raise UserError(
+            "predict_flip averages over the flips of training, and this model was trained with "
+            "none (hflip and vflip 0): leave predict_flip off"
+        )
+    return trained
+
+
+# The settings that fix each process's batches: a mid-epoch checkpoint resumes only with these.
+DATA_ORDER = (
+    "dataset",
+    "images",
+    "val_images",
+    "train_list",
+    "val_list",
+    "train_split",
+    "val_fraction",
+    "seed",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "bucket_by_size",
+    "max_batch_pixels",
+    "scale",
+)
+
+
+def save(accelerator, cfg, *, progress, scheduler, classes):
+    """A checkpoint: Accelerate's state, the position in the data, the LR schedule, DATA_ORDER,
+    and the classes' mask values and those ignored, which a resume needs the same."""
+    save_training(
+        accelerator,
+        cfg,
+        progress=progress,
+        scheduler=scheduler,
+        recipe=NAME,
+        data_order=DATA_ORDER,
+        **same_classes(classes),
+    )
+
+
+def same_classes(classes):
+    """What a checkpoint records of the classes, by the names of their settings."""
+    return {
+        "mask_values": list(classes.values),
+        "ignore_index": list(classes.ignored),
+        "ignore_unlisted": classes.unlisted_ignored,
+    }
+
+
+DOMINANT = 0.9  # the share of pixels above which one class is said to dominate
+
+
+def imbalance_note(cfg, data):
+    """A start-up line when one class holds most of the training pixels and neither class_weights
+    nor focal_gamma is set: the model may then learn that class alone, which Dice hides."""
+    pixels = data.class_pixels
+    top = max(range(len(pixels)), key=pixels.__getitem__)
+    share = pixels[top] / max(sum(pixels), 1)
+    if share <= DOMINANT or cfg.class_weights or cfg.focal_gamma:
+        return None
+    value = show_value(data.values[top], data.classes.colour)
+    name = f"{data.names[top]}, " if data.classes.names else ""
+    return (
+        f"note: class {top} ({name}mask value {value}) holds {share:.0%} of the training pixels: "
+        f"if the model learns it alone (miou near {1 / len(pixels):.2f}), set --class_weights auto"
+    )
+
+
+def dice_note(cfg, data):
+    """The start-up line that says which classes `dice` averages: all but the background, the
+    class of the most training pixels unless --background names one."""
+    covered = [data.names[c] for c in dice_classes(cfg.num_classes, data.background)]
+    why = "as --background says" if cfg.background else "the most pixels; --background changes it"
+    more = f" ... ({len(covered)} in all)" if len(covered) > 12 else ""
+    return (
+        f"dice: per image, the mean over those of classes {', '.join(covered[:12])}{more} in "
+        f"its mask or prediction; background: {data.names[data.background]} ({why})"
+    )
 
 
 def main(cfg):
@@ -757,26 +612,11 @@ def main(cfg):
     set_seed(cfg.seed)
     # No cudnn.benchmark with bucket_by_size: it would time every new (batch, height, width).
     set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)
-    if cfg.predict:  # a mode of its own: no training, no run folder
-        predict(cfg, accelerator)
-        return close(accelerator)
-    if cfg.check_data:  # the data as training reads it, and a picture of it; no training
-        check_data(cfg, accelerator)
-        return close(accelerator)
-    if cfg.export:  # common/export.py, checked on validation images, else on random pixels
-        model, record = trained_model(cfg.weights)
-        cfg = replace(cfg, **record["model"])  # the model's settings: prepare_input as in training
-        images, what = export_inputs(cfg, record)
-        export_onnx(
-            accelerator,
-            model,
-            inputs=[prepare_input(x, cfg) for x in images],
-            weights=cfg.weights,
-            metadata={"recipe": NAME},
-            dynamic={0: "batch", 2: "height", 3: "width"},  # any size
-            what=what,
-        )
-        return close(accelerator)
+    if cfg.predict or cfg.export or cfg.check_data:  # not training: unet_predict.py serves
+        # ADAPT: your copy's serving file; imported here, not above, as it imports this one
+        from unet_predict import serve
+
+        return serve(cfg, accelerator)
     out, checkpoint = open_run(accelerator, cfg)
 
     # 2. Data: each process checks a share of the masks; a bad one stops every rank alike.
@@ -845,20 +685,8 @@ def main(cfg):
     fit_schedule(
         scheduler, cfg, progress, batches_per_epoch=len(train_loader), checkpoint=checkpoint
     )
-    record = {  # what predict needs (trained_model)
-        "model": settings,
-        "mask_values": data.values,
-        "ignored": list(data.classes.ignored),
-        "ignore_unlisted": data.classes.unlisted_ignored,
-        "colour_masks": data.classes.colour,
-        "input_size": data.input_size,
-        "scale": cfg.scale,
-        "flips": trained_flips,
-        "class_names": list(data.classes.names or []) or None,
-        "background": data.background,
-        "colours": data.colours,
-    }
-    stored = record_metadata(RECORD, record, recipe=NAME)
+    record = weights_record(data, model=settings, scale=cfg.scale, flips=trained_flips)
+    stored = record_metadata(RECORD, record, recipe=NAME)  # in every weights file, for predict
 
     # 5. Train, evaluating after every epoch.
     result = None

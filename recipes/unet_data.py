@@ -13,9 +13,10 @@ from pathlib import Path
 
 from PIL import Image
 
+from common.config import require
 from common.data import DataError, TableRows, open_image
 from common.pairs import folder_splits, layout_hint, table_splits  # ADAPT: with list_pairs()
-from common.segmentation_data import MaskClasses, parse_values, read_class_names
+from common.segmentation_data import MaskClasses, parse_values, read_class_names, value_count
 
 SHAPES = "data/shapes"  # the default data, made by `make data/shapes` (scripts/make_shapes.py)
 
@@ -59,6 +60,48 @@ def list_pairs(cfg):
         [cfg.image_column, cfg.mask_column],
         hint="use a folder with imgs/ and masks/, --images and --masks",
     )
+
+
+def check_data_settings(cfg):
+    """The one-line errors of the data's settings, as the recipe's Config checks them at start-up:
+    the folders and how masks are named (list_pairs), and the classes (mask_classes)."""
+    require(
+        bool(cfg.images) == bool(cfg.masks),
+        "--images and --masks go together: the folder of the images, and of their masks",
+    )
+    require(not cfg.images or cfg.dataset == SHAPES, "choose one of --dataset and --images")
+    require(
+        not cfg.val_images or cfg.images,
+        "--val_images needs --images and --masks: the training images and their masks",
+    )
+    require(
+        not cfg.val_masks or cfg.val_images,
+        "--val_masks needs --val_images: the validation images whose masks it holds",
+    )
+    require(
+        not cfg.mask_name or "{stem}" in cfg.mask_name,
+        f"mask_name names a mask after its image's stem, like {{stem}}_mask.png; got "
+        f"{cfg.mask_name!r}",
+    )
+    require(
+        0 < cfg.val_fraction < 1, f"val_fraction must be between 0 and 1, got {cfg.val_fraction}"
+    )
+    require(cfg.num_classes >= 0, f"num_classes must be at least 0, got {cfg.num_classes}")
+    names, listed = read_class_names(cfg.class_names) if cfg.class_names else (None, None)
+    require(
+        not (listed and cfg.mask_values),
+        f"class_names {cfg.class_names} gives the mask values: leave out --mask_values",
+    )
+    if cfg.ignore_index:
+        parse_values(cfg.ignore_index, "--ignore_index", listed and dict(zip(names, listed)))
+    if cfg.mask_values:
+        count = value_count(cfg.num_classes) if cfg.num_classes else None
+        given = parse_values(cfg.mask_values, "--mask_values")
+        require(
+            count in (None, len(given)),
+            f"mask_values needs one value per class ({count} for num_classes "
+            f"{cfg.num_classes}), got {cfg.mask_values!r}",
+        )
 
 
 # ADAPT: reading one pair. The image's pixels are decoded later, in the mode of the model's input

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.config import UserError
+from common.config import UserError, require
 from common.recompute import recompute
 
 # The U-Net halves an image 4 times on its way down: an input side that is a multiple of 2**4
@@ -31,6 +31,29 @@ ENCODERS = ("resnet18", "resnet34", "resnet50")  # torchvision models that ResNe
 ENCODER_MEAN = (0.485, 0.456, 0.406)
 ENCODER_STD = (0.229, 0.224, 0.225)
 ENCODER_MULTIPLE = 32  # the encoder halves an image 5 times: ResNetUNet pads to this internally
+
+
+def check_model_settings(cfg):
+    """The one-line errors of the model's settings, as the recipe's Config checks them at
+    start-up (build_unet takes them)."""
+    require(cfg.base_channels >= 1, f"base_channels must be at least 1, got {cfg.base_channels}")
+    require(
+        cfg.in_channels in (0, 1, 2, 3, 4),
+        f"in_channels must be 0 (from the images), 1, 2, 3 or 4, got {cfg.in_channels}",
+    )
+    require(
+        cfg.encoder in ("", *ENCODERS),
+        f"encoder must be empty (the classic U-Net) or {', '.join(ENCODERS)}, got {cfg.encoder!r}",
+    )
+    require(
+        not cfg.encoder or cfg.in_channels in (0, 3),
+        f"a {cfg.encoder} encoder takes RGB: leave in_channels at 0 (images are read as RGB)",
+    )
+    require(not cfg.encoder or not cfg.bilinear, "an encoder's decoder always interpolates")
+    require(
+        not cfg.encoder_weights or cfg.encoder,
+        "encoder_weights needs an encoder: add --encoder resnet34 (or resnet18, resnet50)",
+    )
 
 
 def _call(module, *inputs):

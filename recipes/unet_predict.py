@@ -1,23 +1,159 @@
-"""The U-Net recipe's predict and export inputs: new images as model inputs, and the masks
-written back, in the training masks' values or colours, at each image's own size.
+"""The U-Net's serving: predict, export and the data check, with the recipe's own model, input
+conversion and data (recipes/unet.py, which trains), run from the recipe or on their own:
 
-    files = predict_files(cfg.predict)
-    for paths, images, x, sizes in predict_batches(files, record, batch_size=8, ...):
-        write_masks(paths, images, logits, record, out, sizes=sizes, overlay=False)
-    images, what = sample_images(val_pairs, record, source="data/x")  # to check an export
+    python recipes/unet.py --predict "photos/*.jpg" --weights runs/unet/model.safetensors --overlay
+    python recipes/unet_predict.py --weights runs/unet/model.safetensors "photos/*.jpg" --overlay
+    python recipes/unet_predict.py --export onnx --weights runs/unet/model.safetensors
+    python recipes/unet_predict.py --check_data --images data/x/imgs --masks data/x/masks
+
+Every setting is the recipe's Config. A copy of the recipe copies this file too and points the
+two imports marked ADAPT at its own files, as its recipe points its serving import at this one.
 """
 
+import sys
+from dataclasses import replace
 from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from common.accelerator import close
+from common.checkpoint import load_weights
+from common.config import UserError
 from common.data import IMAGE_SUFFIXES, DataError, image_files, pad_to
-from common.inference import predicted_classes
-from common.segmentation_data import MODES, padded
+from common.export import OnnxModel, export_onnx
+from common.inference import predicted_classes, segment
+from common.runtime import run
+from common.segmentation_data import MODES, padded, show_value
 from common.tracking import overlay as painted_on
+from common.tracking import save_overlays
+from unet import (  # ADAPT: your recipe
+    NAME,
+    PAD_MULTIPLE,
+    Config,
+    build_model,
+    dice_note,
+    flips_to_average,
+    imbalance_note,
+    load_data,
+    main,
+    prepare_input,
+    read_trained,
+    resolved,
+)
+from unet_data import SHAPES, Pairs, list_pairs  # ADAPT: your data
+
+
+def serve(cfg, accelerator):
+    """What the recipe's main() hands over: --predict, --export or --check_data; then close."""
+    if cfg.predict:
+        predict(cfg, accelerator)
+    elif cfg.export:
+        export(cfg, accelerator)
+    else:
+        check_data(cfg, accelerator)
+    close(accelerator)
+
+
+def trained_model(path, device="cpu"):
+    """(model, record) for predict and export: the model that the weights file's record
+    describes (read_trained), with its weights, in eval mode; for an .onnx file, an onnxruntime
+    session that is called alike."""
+    record = read_trained(path)
+    if record is None:
+        raise UserError(
+            f"{path} holds no settings of this recipe: predict and export need a model.safetensors "
+            f"that its training wrote (train again if an older version wrote it)"
+        )
+    if Path(path).suffix == ".onnx":
+        return OnnxModel(path), record
+    model = build_model(record["model"])
+    load_weights(model, path)
+    return model.to(device).eval(), record
+
+
+def predict(cfg, accelerator):
+    """A mask PNG per image of the --predict glob, at the image's size, in the training masks'
+    values or colours; --overlay also paints the classes on the image. Each process does a
+    share, in batches of eval_batch_size (0: batch_size)."""
+    model, record = trained_model(cfg.weights, accelerator.device)
+    cfg = replace(cfg, **record["model"])  # the model's settings: prepare_input as in training
+    flips = flips_to_average(cfg, record["flips"])
+    out = Path(cfg.predict_dir or Path(cfg.output_dir) / "predictions")
+    out.mkdir(parents=True, exist_ok=True)
+    files = predict_files(cfg.predict)
+    batches = predict_batches(
+        files,
+        record,
+        batch_size=cfg.eval_batch_size or cfg.batch_size,
+        accelerator=accelerator,
+        multiple=PAD_MULTIPLE,
+    )
+    for paths, images, x, sizes in batches:
+        with torch.inference_mode(), accelerator.autocast():
+            x_in = prepare_input(x, cfg)
+            logits = segment(model, x_in, tile=cfg.predict_tile, flips=flips, multiple=PAD_MULTIPLE)
+        write_masks(paths, images, logits, record, out, sizes=sizes, overlay=cfg.overlay)
+    accelerator.wait_for_everyone()
+    values = [show_value(v, record["colour_masks"]) for v in record["mask_values"]]
+    if record["class_names"]:
+        values = [f"{v} {name}" for v, name in zip(values, record["class_names"])]
+    accelerator.print(f"wrote {len(files)} masks (values {', '.join(values)}) to {out}/")
+
+
+def export(cfg, accelerator):
+    """--export onnx: the weights as an .onnx file beside them, checked against PyTorch on
+    validation images of the recipe's data, or on random pixels where there is none (no
+    --dataset, data/shapes not made: weights copied from elsewhere); common/export.py."""
+    model, record = trained_model(cfg.weights)
+    cfg = replace(cfg, **record["model"])  # the model's settings: prepare_input as in training
+    images, what = export_inputs(cfg, record)
+    export_onnx(
+        accelerator,
+        model,
+        inputs=[prepare_input(x, cfg) for x in images],
+        weights=cfg.weights,
+        metadata={"recipe": NAME},
+        dynamic={0: "batch", 2: "height", 3: "width"},  # any size
+        what=what,
+    )
+
+
+def export_inputs(cfg, record):
+    """(inputs, what they are) that check an export (sample_images)."""
+    if cfg.dataset == SHAPES and not cfg.images and not Path(SHAPES).exists():
+        source = f"no --dataset, {SHAPES} is not made"
+        return sample_images(None, record, multiple=PAD_MULTIPLE, source=source)
+    val_pairs = Pairs(list_pairs(cfg)[1])
+    return sample_images(val_pairs, record, multiple=PAD_MULTIPLE, source=cfg.images or cfg.dataset)
+
+
+def check_data(cfg, accelerator, count=8):
+    """--check_data: the data read as training reads it, with the same one-line errors; then
+    each class's share of the training pixels, every start-up note, and the first `count`
+    training images as the model sees them, with their masks painted on, in
+    output_dir/data_check.png. No training, no checkpoint."""
+    trained = read_trained(cfg.weights)  # --weights: its classes
+    data = load_data(cfg, accelerator, trained)
+    cfg, _ = resolved(cfg, data, accelerator.device)  # as training resolves it
+    accelerator.print(f"{NAME} data check: {MODES[data.in_channels]} images; {data}")
+    for line in [*data.table, dice_note(cfg, data), *data.notes, imbalance_note(cfg, data)]:
+        if line:
+            accelerator.print(line)
+    if accelerator.is_main_process:
+        train_set = data.train_loader.dataset
+        samples = [train_set[i][:2] for i in range(min(count, len(train_set)))]
+        path = Path(cfg.output_dir) / "data_check.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_overlays(samples, path, colours=data.colours, background=data.background)
+        print(f"wrote {path}: {len(samples)} training images, their classes painted on")
+
+
+# ---- New image files as model inputs, and the masks written back ----
 
 EXPORT_SIZE = 64  # export's random inputs for a model trained at its images' own sizes
 
@@ -115,3 +251,17 @@ def sample_images(val_pairs, record, *, multiple, source, count=4):
         torch.stack([resize(im, [h, w], antialias=True) for im in images]),
         resize(images[0], [h + 16, w + 32], antialias=True)[None],
     ], f"images of {source}"
+
+
+def serving(cfg):
+    """This file's own entry point: the recipe's main() for predict, export or the data check."""
+    if not (cfg.predict or cfg.export or cfg.check_data):
+        raise UserError(
+            f"{Path(__file__).name} predicts (an image glob), exports (--export onnx) or checks "
+            f"the data (--check_data); train with {NAME}.py"
+        )
+    main(cfg)
+
+
+if __name__ == "__main__":
+    run(serving, Config, positional="predict")  # unet_predict.py --weights W "photos/*.jpg"

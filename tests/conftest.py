@@ -134,7 +134,8 @@ def predict_here(recipe, weights, pattern, out, *more):
     from common.config import parse_config
 
     args = ["--predict", pattern, "--weights", weights, "--predict_dir", out, *more]
-    recipe.predict(parse_config(recipe.Config, [str(a) for a in args]), build_accelerator())
+    serving = load_recipe(f"{recipe.NAME}_predict")  # recipes/unet_predict.py serves unet.py
+    serving.predict(parse_config(recipe.Config, [str(a) for a in args]), build_accelerator())
 
 
 def stopped_at(straight, step, split):
@@ -183,27 +184,35 @@ class TinyNet(nn.Module):  # the user's own model
 
 @contextlib.contextmanager
 def copy_with_tiny_model():
-    """recipes/mnist.py copied as README "Make your own recipe" says, with BasicNet swapped for
-    TinyNet: the copy's path, deleted on leaving."""
+    """recipes/mnist.py and its serving file copied as README "Make your own recipe" says, with
+    BasicNet swapped for TinyNet: the copy's path, both deleted on leaving."""
     original = (REPO / "recipes" / "mnist.py").read_text()
-    line = "model = BasicNet(num_classes=len(classes))"
+    serving = (REPO / "recipes" / "mnist_predict.py").read_text()
+    name = f"my_recipe_{uuid.uuid4().hex[:8]}"
+    line = "    return BasicNet(num_classes=len(classes))  # ADAPT: your model"
     assert original.count(line) == 1
     source = original.replace("# ADAPT: your model.", TINY_MODEL + "# ADAPT: your model.")
-    source = source.replace(line, "model = TinyNet(num_classes=len(classes))")
-    # One line of the recipe changes, besides the model added (README: Make your own recipe).
-    assert (
-        sum(
-            line.startswith("- ")
-            for line in difflib.ndiff(original.splitlines(), source.splitlines())
-        )
-        == 1
-    )
-    copy = REPO / "recipes" / f"my_recipe_{uuid.uuid4().hex[:8]}.py"
+    source = source.replace(line, "    return TinyNet(num_classes=len(classes))")
+    source = source.replace("from mnist_predict import", f"from {name}_predict import")
+    # Two lines of the recipe change, besides the model added, and one of its serving file
+    # (README: Make your own recipe).
+    assert changed_lines(original, source) == 2
+    serving_copy = serving.replace("from mnist import", f"from {name} import")
+    assert changed_lines(serving, serving_copy) == 1
+    copy, served = REPO / "recipes" / f"{name}.py", REPO / "recipes" / f"{name}_predict.py"
     copy.write_text(source)
+    served.write_text(serving_copy)
     try:
         yield copy
     finally:
         copy.unlink()
+        served.unlink()
+
+
+def changed_lines(original, copy):
+    """How many lines of `original` the copy changed or removed (added lines not counted)."""
+    diff = difflib.ndiff(original.splitlines(), copy.splitlines())
+    return sum(line.startswith("- ") for line in diff)
 
 
 def compile_config(tmp_path, base="2gpu.yaml"):

@@ -61,7 +61,7 @@ def torch_model(recipe, weights):
         model = module.BasicNet(num_classes=10)
         load_weights(model, weights)
         return model.eval()
-    return module.trained_model(str(weights))[0]
+    return load_recipe(f"{recipe}_predict").trained_model(str(weights))[0]
 
 
 @pytest.fixture(scope="module")
@@ -332,21 +332,21 @@ def test_an_export_that_differs_from_torch_is_one_line(tmp_path):
 @pytest.mark.slow
 def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights, tmp_path, monkeypatch):
     data, _ = unet_weights
-    unet = load_recipe("unet")
+    unet, serving = load_recipe("unet"), load_recipe("unet_predict")
     cfg = parse_config(unet.Config, ["--dataset", str(data), *map(str, UNET_DATA)])
     for input_size, first, second in [
         ([32, 40], (4, 3, 32, 40), (1, 3, 48, 72)),
         (None, (4, 3, 48, 48), (1, 3, 64, 80)),
     ]:  # None: own size
         record = {"model": {"in_channels": 3}, "mask_values": [0, 85, 170, 255], "scale": 0}
-        images, what = unet.export_inputs(cfg, {**record, "input_size": input_size})
+        images, what = serving.export_inputs(cfg, {**record, "input_size": input_size})
         x, y = (unet.prepare_input(t, cfg) for t in images)
         assert (x.shape, y.shape) == (first, second) and what == f"images of {data}"
         assert x.dtype == torch.float32 and 0 <= x.min() < x.max() <= 1
     # No --dataset where data/shapes is not made: random pixels of the size the weights store.
     monkeypatch.chdir(tmp_path)
     weights = read_trained(unet_weights[1])
-    images, what = unet.export_inputs(parse_config(unet.Config, []), weights)
+    images, what = serving.export_inputs(parse_config(unet.Config, []), weights)
     assert [tuple(t.shape) for t in images] == [(4, 3, 48, 48), (1, 3, 64, 80)]
     assert images[0].dtype == torch.uint8
     assert what == "random pixels: no --dataset, data/shapes is not made"

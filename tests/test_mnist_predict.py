@@ -83,7 +83,8 @@ def predict_here(*args):
     mnist = load_recipe("mnist")
     cfg = parse_config(mnist.Config, ["--weights", "unused.safetensors", *map(str, args)])
     classes = [str(i) for i in range(10)]
-    mnist.predict(cfg, build_accelerator(), mnist.BasicNet(num_classes=10), classes)
+    serving = load_recipe("mnist_predict")
+    serving.predict(cfg, build_accelerator(), mnist.BasicNet(num_classes=10), classes)
 
 
 def broken(paths, how):

@@ -26,6 +26,7 @@ from layouts import (
     voc_layout,
 )
 from PIL import Image
+from recipe_module import load_recipe
 
 from common.accelerator import build_accelerator
 from common.checkpoint import read_record
@@ -246,7 +247,7 @@ def test_check_data_stops_with_the_errors_of_training(unet, shapes, tmp_path):
         unet.Config, [*map(str, args), "--check_data", "--output_dir", str(tmp_path)]
     )
     message = f"mask {bad} is 47x48, its image 48x48"
-    for step in (unet.check_data, unet.load_data):
+    for step in (load_recipe("unet_predict").check_data, unet.load_data):
         with pytest.raises(DataError, match=re.escape(message)):
             step(cfg, build_accelerator())
 
@@ -270,8 +271,6 @@ def digit_folders(tiny_mnist, root, names=("cat", "dog", "emu")):
 
 
 def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(tiny_mnist, tmp_path):
-    from recipe_module import load_recipe
-
     data = digit_folders(tiny_mnist, tmp_path / "animals")
     out = tmp_path / "out"
     res = launch(
@@ -290,13 +289,14 @@ def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(tiny_mni
     )
     classes = mnist.recorded_classes(cfg.weights)
     model = mnist.BasicNet(num_classes=len(classes))
-    mnist.predict(cfg, build_accelerator(), model, classes)
+    serving = load_recipe("mnist_predict")
+    serving.predict(cfg, build_accelerator(), model, classes)
     with open(tmp_path / "p.csv", newline="") as f:
         header, *rows = list(csv.reader(f))
     assert header == ["file", "label", "probability", "label_2", "probability_2"]
     assert len(rows) == 12 and {r[1] for r in rows} | {r[3] for r in rows} <= {"cat", "dog", "emu"}
     with pytest.raises(Exception, match="top_k 4 is more than the model's 3 classes"):
-        mnist.predict(
+        serving.predict(
             parse_config(
                 mnist.Config, ["--predict", "x", "--weights", str(weights), "--top_k", "4"]
             ),
@@ -305,7 +305,7 @@ def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(tiny_mni
             classes,
         )
     # The data check: each class's samples in each split, and the picture.
-    mnist.check_data(
+    serving.check_data(
         parse_config(mnist.Config, ["--dataset", str(data), "--output_dir", str(tmp_path / "c")]),
         build_accelerator(),
     )
