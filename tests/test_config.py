@@ -77,6 +77,18 @@ def test_bad_settings_are_rejected(argv, message):
     assert message in str(e.value)
 
 
+def test_a_serving_file_takes_its_image_glob_without_a_name():
+    # `unet_predict.py --weights W "photos/*.jpg"`: one argument without --name sets the field
+    # named positional, wherever it stands; a second (a glob the shell expanded) is one line.
+    for argv in (["--weights", "w.pt", "a/*.png"], ["a/*.png", "--weights", "w.pt"]):
+        cfg = parse_config(Toy, argv, positional="name")
+        assert (cfg.name, cfg.weights) == ("a/*.png", "w.pt")
+    with pytest.raises(
+        ConfigError, match=re.escape("unexpected argument 'a/2.png' after 'a/1.png'")
+    ):
+        parse_config(Toy, ["a/1.png", "a/2.png"], positional="name")
+
+
 def test_bad_yaml_is_rejected(tmp_path):
     (tmp_path / "bad.yaml").write_text("lr: [1, 2\n")
     with pytest.raises(ConfigError, match="is not valid YAML at line"):

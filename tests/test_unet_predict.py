@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import ONE_THREAD, REPO, SIZE, VALUES, assert_ok, launch, make_shapes
+from conftest import ONE_THREAD, REPO, SIZE, VALUES, assert_ok, launch, make_shapes, predict_here
 from PIL import Image
 from recipe_module import load_recipe
 
@@ -326,3 +326,25 @@ def test_flipped_views_are_averaged_as_logits(unet):
     assert unet.flips_to_average(SimpleNamespace(predict_flip=False), "hv") == ""
     with pytest.raises(UserError, match="this model was trained with none"):  # eval_only, predict
         unet.flips_to_average(cfg, "")
+
+
+@pytest.mark.slow
+def test_the_serving_file_runs_on_its_own_as_the_recipe_runs_it(trained_unet, shapes, tmp_path):
+    # python recipes/unet_predict.py --weights W "photos/*.jpg", as milesial's predict.py runs:
+    # the same masks as the recipe's --predict (predict_here), and one line for a run that
+    # would train.
+    weights = trained_unet[0] / "model.safetensors"
+    pattern = shapes / "imgs" / "shape_000[0-2].png"
+    res = launch(
+        ["recipes/unet_predict.py", "--weights", weights, pattern, "--predict_dir", tmp_path / "a"],
+        launcher="python",
+    )
+    assert_ok(res)
+    assert "wrote 3 masks" in res.output, res
+    predict_here(load_recipe("unet"), weights, pattern, tmp_path / "b")
+    for name in ("shape_0000", "shape_0001", "shape_0002"):
+        mask = f"{name}_mask.png"
+        assert (tmp_path / "a" / mask).read_bytes() == (tmp_path / "b" / mask).read_bytes()
+    serving = load_recipe("unet_predict")
+    with pytest.raises(UserError, match=re.escape("unet_predict.py predicts (an image glob)")):
+        serving.serving(parse_config(serving.Config, ["--epochs", "2"]))
