@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 from accelerate import PartialState
@@ -105,3 +106,20 @@ def run(main, config_class, argv=None, positional=None):
         # the interpreter's own collections at exit would walk it all (docs/performance.md).
         gc.freeze()
     sys.exit(code)
+
+
+def run_serving(main, config_class, *, recipe, script):
+    """A serving file's own entry point (`python recipes/unet_predict.py --weights W "*.jpg"`):
+    run(), with the image glob as the one argument without a --name (the predict setting), into
+    the `recipe`'s main(), which serves predict, export and the data check. A run that would
+    train stops with one line naming the recipe."""
+
+    def serving(cfg):
+        if not (cfg.predict or cfg.export or cfg.check_data):
+            raise UserError(
+                f"{Path(script).name} predicts (an image glob), exports (--export onnx) or checks "
+                f"the data (--check_data); train with {recipe}.py"
+            )
+        main(cfg)
+
+    run(serving, config_class, positional="predict")

@@ -24,7 +24,7 @@ from common.config import UserError
 from common.data import image_files, read_image
 from common.export import export_onnx
 from common.outputs import stop_together, write_csv
-from common.runtime import run
+from common.runtime import run_serving
 from common.tracking import save_labelled
 from mnist import (  # ADAPT: your recipe
     NAME,
@@ -117,15 +117,5 @@ def check_data(cfg, accelerator, count=32):
         print(f"wrote {path}: the first {len(y)} training images, with their classes")
 
 
-def serving(cfg):
-    """This file's own entry point: the recipe's main() for predict, export or the data check."""
-    if not (cfg.predict or cfg.export or cfg.check_data):
-        raise UserError(
-            f"{Path(__file__).name} predicts (an image glob), exports (--export onnx) or checks "
-            f"the data (--check_data); train with {NAME}.py"
-        )
-    main(cfg)
-
-
-if __name__ == "__main__":
-    run(serving, Config, positional="predict")  # mnist_predict.py --weights W "digits/*.png"
+if __name__ == "__main__":  # mnist_predict.py --weights W "digits/*.png"
+    run_serving(main, Config, recipe=NAME, script=__file__)

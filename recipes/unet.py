@@ -689,6 +689,15 @@ def main(cfg):
     stored = record_metadata(RECORD, record, recipe=NAME)  # in every weights file, for predict
 
     # 5. Train, evaluating after every epoch.
+    # How evaluate() scores: the flips it averages, the loss's class weights, the class names,
+    # the background that dice leaves out, and the moving average (ema) beside the model.
+    scoring = {
+        "flips": flips,
+        "weights": weights,
+        "labels": data.names,
+        "background": data.background,
+        "ema": ema,
+    }
     result = None
     while progress.epochs_left():
         catch_stop_signals()  # from here Ctrl-C and SIGTERM stop at a checkpoint, on every rank
@@ -710,18 +719,9 @@ def main(cfg):
         if progress.interrupted:
             break
         reset_peak_memory(accelerator.device)  # eval_peak_memory_mb: evaluation's own peak
+        panels = cfg.log_with != "none"
         result, panel = evaluate(
-            model,
-            val_loader,
-            accelerator,
-            cfg,
-            flips=flips,
-            weights=weights,
-            labels=data.names,
-            background=data.background,
-            colours=data.colours,
-            panels=cfg.log_with != "none",
-            ema=ema,
+            model, val_loader, accelerator, cfg, **scoring, colours=data.colours, panels=panels
         )
         eval_peak = peak_memory_mb(accelerator.device)
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
@@ -752,17 +752,7 @@ def main(cfg):
         accelerator.print(progress.why_stopped)
     if not progress.interrupted:
         if result is None:  # eval_only, or a resumed run that had nothing left to train
-            result, _ = evaluate(
-                model,
-                val_loader,
-                accelerator,
-                cfg,
-                flips=flips,
-                weights=weights,
-                labels=data.names,
-                background=data.background,
-                ema=ema,
-            )
+            result, _ = evaluate(model, val_loader, accelerator, cfg, **scoring)
             metrics.write(
                 epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
             )

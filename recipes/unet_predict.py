@@ -27,7 +27,7 @@ from common.config import UserError
 from common.data import IMAGE_SUFFIXES, DataError, image_files, pad_to
 from common.export import OnnxModel, export_onnx
 from common.inference import predicted_classes, segment
-from common.runtime import run
+from common.runtime import run_serving
 from common.segmentation_data import MODES, padded, show_value
 from common.tracking import overlay as painted_on
 from common.tracking import save_overlays
@@ -253,15 +253,5 @@ def sample_images(val_pairs, record, *, multiple, source, count=4):
     ], f"images of {source}"
 
 
-def serving(cfg):
-    """This file's own entry point: the recipe's main() for predict, export or the data check."""
-    if not (cfg.predict or cfg.export or cfg.check_data):
-        raise UserError(
-            f"{Path(__file__).name} predicts (an image glob), exports (--export onnx) or checks "
-            f"the data (--check_data); train with {NAME}.py"
-        )
-    main(cfg)
-
-
-if __name__ == "__main__":
-    run(serving, Config, positional="predict")  # unet_predict.py --weights W "photos/*.jpg"
+if __name__ == "__main__":  # unet_predict.py --weights W "photos/*.jpg"
+    run_serving(main, Config, recipe=NAME, script=__file__)

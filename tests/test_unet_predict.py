@@ -12,7 +12,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import ONE_THREAD, REPO, SIZE, VALUES, assert_ok, launch, make_shapes, predict_here
+from conftest import (
+    ONE_THREAD,
+    REPO,
+    SIZE,
+    VALUES,
+    assert_ok,
+    error_lines,
+    launch,
+    make_shapes,
+    predict_here,
+)
 from PIL import Image
 from recipe_module import load_recipe
 
@@ -345,6 +355,8 @@ def test_the_serving_file_runs_on_its_own_as_the_recipe_runs_it(trained_unet, sh
     for name in ("shape_0000", "shape_0001", "shape_0002"):
         mask = f"{name}_mask.png"
         assert (tmp_path / "a" / mask).read_bytes() == (tmp_path / "b" / mask).read_bytes()
-    serving = load_recipe("unet_predict")
-    with pytest.raises(UserError, match=re.escape("unet_predict.py predicts (an image glob)")):
-        serving.serving(parse_config(serving.Config, ["--epochs", "2"]))
+    training = launch(["recipes/unet_predict.py", "--epochs", 2], launcher="python")
+    assert error_lines(training) == [
+        "error: unet_predict.py predicts (an image glob), exports (--export onnx) or checks the "
+        "data (--check_data); train with unet.py"
+    ], training
