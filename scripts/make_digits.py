@@ -1,17 +1,25 @@
-"""Write a VOC-like segmentation set for recipes/unet.py: small objects of 10 classes on mostly
+"""Write a VOC-like segmentation set for recipes/unet.py: objects of 10 classes on mostly
 background, each outlined by a void band, as Pascal VOC's masks are.
 
     python scripts/make_digits.py                     # 1200 images of 96x96 in data/digits
+    python scripts/make_digits.py --colours random --digit_size 0.46,0.625 --band 2 --clutter 4 \
+        --out data/digits_shape                       # `make data/digits_shape`: shape-coded
     python scripts/make_digits.py --out /tmp/digits --count 240 --digit_size 0.3,0.5
 
 Each image holds 1 to 3 handwritten digits from data/mnist_sample (its train split, 4000 real
-MNIST digits), each scaled to 15% to 22% of the image's side (14 to 21 pixels; --digit_size), in
-a colour of its digit's family (a hue per digit), on a noisy greyish background. The mask is a
-palette PNG, as VOC's are: 0 background, 1 to 10 the digits 0 to 9, and 255 (void) on a band 3
-pixels wide around each digit. 95% of the pixels are background, 4% void, and each digit class
-holds about 0.1%: the imbalance under which the recipe's defaults learn a few classes and the
-background (docs/unet.md, "Imbalanced classes"). The layout is imgs/digit_0000.png and
-masks/digit_0000.png, which the recipe reads as it is. Image i depends only on (--seed, i).
+MNIST digits), each scaled to a share of the image's side (--digit_size; 15% to 22%, 14 to 21
+pixels, by default). The mask is a palette PNG, as VOC's are: 0 background, 1 to 10 the digits
+0 to 9, and 255 (void) on a band --band pixels wide around each digit. Two kinds of data:
+- --colours class (the default, data/digits): each digit in a colour of its digit's family (a hue
+  per digit) on a noisy greyish background. Colour gives the class away: a model can learn the
+  classes without their shapes. 95% of the pixels are background, 4% void, and each digit class
+  holds about 0.1%: the imbalance under which the recipe's defaults learn a few classes and the
+  background (docs/unet.md, "Learning your classes").
+- --colours random (data/digits_shape): each digit in a random colour, over a noisy gradient
+  between two random colours with --clutter strokes, rings and boxes in random colours that are
+  background: only a digit's shape tells its class, as in real data.
+The layout is imgs/digit_0000.png and masks/digit_0000.png, which the recipe reads as it is.
+Image i depends only on (--seed, i) and the settings.
 """
 
 import argparse
@@ -21,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
-from PIL import Image
+from PIL import Image, ImageDraw
 
 VOID = 255
 BAND = 3  # pixels of void around a digit
@@ -57,27 +65,71 @@ def grow(mask, pixels):
     return grown
 
 
-def make_pair(i, digits, labels, size, seed, scale=(0.15, 0.22)):
+def random_colour(rng, away_from=None, distance=120):
+    """An RGB colour [3] of any hue, saturation and brightness; with `away_from`, at least
+    `distance` from that colour (Euclidean, 0..255 per channel), so that it stays visible."""
+    while True:
+        colour = 255 * np.array(colorsys.hsv_to_rgb(*rng.uniform((0, 0, 0.15), (1, 1, 1))))
+        if away_from is None or np.linalg.norm(colour - away_from) >= distance:
+            return colour
+
+
+def clutter_background(rng, size, count):
+    """A float RGB background [size, size, 3]: a linear gradient between two random colours in a
+    random direction, `count` strokes, rings and boxes in random colours, and noise."""
+    start, end = random_colour(rng), random_colour(rng)
+    angle = rng.uniform(0, 2 * np.pi)
+    yy, xx = np.mgrid[0:size, 0:size] / (size - 1)
+    t = (np.cos(angle) * xx + np.sin(angle) * yy + 1.5) / 3  # 1/6..5/6 across the image
+    image = Image.fromarray((start + (end - start) * t[..., None]).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for _ in range(count):  # clutter: background, though some of it looks like ink
+        fill = tuple(int(v) for v in random_colour(rng))
+        x0, y0, x1, y1 = rng.uniform(-0.1, 1.1, 4) * size
+        box = [min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1)]
+        width = int(rng.integers(2, 6))
+        kind = rng.integers(3)
+        if kind == 0:
+            draw.line([x0, y0, x1, y1], fill=fill, width=width)
+        elif kind == 1:
+            draw.ellipse(box, outline=fill, width=width)
+        else:
+            draw.rectangle(box, outline=fill, width=width)
+    return np.asarray(image, float) + rng.normal(0, 15, (size, size, 3))
+
+
+def make_pair(
+    i, digits, labels, *, size, seed, scale=(0.15, 0.22), colours="class", band=BAND, clutter=0
+):
     """Image i: (uint8 RGB [size, size, 3], uint8 mask [size, size]); each digit's side is a
-    share of the image's side drawn from `scale`."""
+    share of the image's side drawn from `scale`. colours: class (a hue per digit, on a greyish
+    background) or random (any colour, on a gradient with `clutter` shapes)."""
     rng = np.random.default_rng((seed, i))
-    background = rng.uniform(60, 200) + rng.uniform(-10, 10, 3)  # greyish
-    image = background + rng.normal(0, 20, (size, size, 3))
+    if colours == "class":
+        background = rng.uniform(60, 200) + rng.uniform(-10, 10, 3)  # greyish
+        image = background + rng.normal(0, 20, (size, size, 3))
+    else:
+        image = clutter_background(rng, size, clutter)
     mask = np.zeros((size, size), np.uint8)
     for _ in range(rng.integers(1, 4)):
         k = rng.integers(len(digits))
         side = int(rng.uniform(*scale) * size)
         ink = np.asarray(Image.fromarray(digits[k]).resize((side, side), Image.BILINEAR)) > 100
-        top, left = rng.integers(BAND, size - side - BAND, 2)
+        top, left = rng.integers(band, size - side - band, 2)
         on = np.zeros((size, size), bool)
         on[top : top + side, left : left + side] = ink
-        # Each digit in a colour of its own family (a hue per digit, at random saturation and
-        # brightness), as make_shapes.py colours its shapes: the classes are told apart by colour
-        # as well as by shape, so that a small model learns them in minutes on a CPU.
-        hue = (labels[k] / 10 + rng.uniform(-0.03, 0.03)) % 1
-        colour = 255 * np.array(colorsys.hsv_to_rgb(hue, rng.uniform(0.6, 1), rng.uniform(0.6, 1)))
-        band = grow(on, BAND) & ~on
-        mask[band & (mask == 0)] = VOID  # a later digit covers an earlier one's band
+        if colours == "class":
+            # A colour of the digit's own family (a hue per digit, at random saturation and
+            # brightness), as make_shapes.py colours its shapes: the classes are told apart by
+            # colour as well as by shape, so that a small model learns them in minutes on a CPU.
+            hue = (labels[k] / 10 + rng.uniform(-0.03, 0.03)) % 1
+            colour = 255 * np.array(
+                colorsys.hsv_to_rgb(hue, rng.uniform(0.6, 1), rng.uniform(0.6, 1))
+            )
+        else:  # any colour that stands out from the background under the digit
+            colour = random_colour(rng, away_from=image[on].mean(0))
+        edge = grow(on, band) & ~on
+        mask[edge & (mask == 0)] = VOID  # a later digit covers an earlier one's band
         image[on] = colour + rng.normal(0, 20, (on.sum(), 3))
         mask[on] = labels[k] + 1
     return np.clip(image, 0, 255).astype(np.uint8), mask
@@ -94,6 +146,16 @@ def main():
         default="0.15,0.22",
         help="a digit's side as a share of the image's: MIN,MAX",
     )
+    p.add_argument(
+        "--colours",
+        choices=("class", "random"),
+        default="class",
+        help="class: a hue per digit, which gives the class away; random: only shape tells",
+    )
+    p.add_argument("--band", type=int, default=BAND, help="pixels of void around each digit")
+    p.add_argument(
+        "--clutter", type=int, default=0, help="--colours random: background shapes per image"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     digits, labels = load_digits(args.digits)
@@ -104,7 +166,17 @@ def main():
     palette += [224, 224, 192]  # VOC's colour of void
     for i in range(args.count):
         scale = tuple(float(v) for v in args.digit_size.split(","))
-        image, mask = make_pair(i, digits, labels, args.size, args.seed, scale)
+        image, mask = make_pair(
+            i,
+            digits,
+            labels,
+            size=args.size,
+            seed=args.seed,
+            scale=scale,
+            colours=args.colours,
+            band=args.band,
+            clutter=args.clutter,
+        )
         Image.fromarray(image).save(out / "imgs" / f"digit_{i:04d}.png")
         mask = Image.frombytes("P", (args.size, args.size), mask.tobytes())
         mask.putpalette(palette)
