@@ -36,7 +36,7 @@ from common.config import RunConfig, UserError, require, require_at_least
 from common.data import crop_and_flip
 from common.determinism import set_deterministic
 from common.ema import EMA
-from common.inference import predicted_classes, segment
+from common.inference import segment
 from common.metrics import class_scores, confusion_counts, peak_memory_mb, reset_peak_memory
 from common.outputs import open_run
 from common.progress import Progress
@@ -133,6 +133,7 @@ class Config(RunConfig):
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
     class_weights: str = ""  # cross-entropy weight per class, e.g. 0.2,1,1; auto: from pixel counts
     focal_gamma: float = 0.0  # above 0: focal loss, (1 - p)^gamma x cross-entropy; 2 is usual
+    dice_weight: float = 1.0  # x the soft Dice loss (of each mask's classes) beside it; 0: none
     best_metric: str = "miou"  # miou or dice: picks best.safetensors, early stops, plateau's lr
     seed: int = 0  # model init, data order and augmentation; same seed, same run
     log_every: int = 20  # optimizer steps between logged scalars; image panels at every eval
@@ -145,7 +146,7 @@ class Config(RunConfig):
 
     def validate(self):
         super().validate()
-        require_at_least(self, 0, "weight_decay", "grad_clip", "max_batch_pixels")
+        require_at_least(self, 0, "weight_decay", "grad_clip", "max_batch_pixels", "dice_weight")
         require(
             self.scheduler in ("cosine", "plateau"),
             f"scheduler must be cosine or plateau, got {self.scheduler!r}",
@@ -245,28 +246,58 @@ def augment(images, masks, rand, cfg):
 
 # ADAPT: your loss. Ignored pixels (IGNORE: ignore_index, and the padding of bucket_by_size) must
 # count for nothing.
-def loss_per_image(logits, target, *, num_classes, weights=None, focal_gamma=0.0):
-    """Cross-entropy (BCE for 1 class) + soft Dice loss over all classes, per image, in fp32.
-    weights: a weight per class for the cross-entropy (class_weights); focal_gamma: the focal
-    loss of Lin et al., (1 - p)^gamma x cross-entropy, where p is the probability of the true
-    class: pixels the model already gets right count less."""
-    logits, valid = logits.float(), (target != IGNORE).float()
+def loss_per_image(logits, target, *, num_classes, weights=None, focal_gamma=0.0, dice_weight=1.0):
+    """Cross-entropy (BCE for 1 class) + dice_weight x the soft Dice loss of the classes in the
+    image's mask, per image, in fp32. weights: a weight per class for the cross-entropy
+    (class_weights); focal_gamma: the focal loss of Lin et al., (1 - p)^gamma x cross-entropy,
+    where p is the probability of the true class: pixels the model already gets right count
+    less. A class absent from the mask adds no Dice term, as in segmentation_models.pytorch's
+    DiceLoss: a Dice over every class pushes each absent class's probability down in every
+    image (docs/unet.md, "Learning your classes")."""
+    logits, valid = logits.float(), target != IGNORE
     pixels, target = valid.sum((1, 2)).clamp(min=1), target.clamp(min=0)
     if num_classes == 1:
-        logits, target = logits[:, 0], target.float()
-        ce = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
-        probs, onehot = logits.sigmoid()[:, None], target[:, None]
+        ce = F.binary_cross_entropy_with_logits(logits[:, 0], target.float(), reduction="none")
     else:
         ce = F.cross_entropy(logits, target, reduction="none")
-        probs, onehot = logits.softmax(1), F.one_hot(target, num_classes).permute(0, 3, 1, 2)
     if focal_gamma:
         ce = ce * (1 - torch.exp(-ce)) ** focal_gamma  # exp(-ce) is p
     if weights is not None:
-        ce = ce * weights[target.long()]
-    probs, onehot = probs * valid[:, None], onehot * valid[:, None]
-    inter, total = (probs * onehot).sum((2, 3)), (probs + onehot).sum((2, 3))
-    dice = (2 * inter + 1) / (total + 1)  # +1: a class absent from both scores 1
-    return (ce * valid).sum((1, 2)) / pixels + 1 - dice.mean(1)
+        ce = ce * weights[target]
+    loss = (ce * valid).sum((1, 2)) / pixels
+    if dice_weight:
+        loss = loss + dice_weight * soft_dice_loss(logits, target, valid, num_classes)
+    return loss
+
+
+def soft_dice_loss(logits, target, valid, num_classes):
+    """Per image, the mean over the classes in its mask (its valid pixels) of 1 - soft Dice,
+    (2 sum(p t) + 1) / (sum(p) + sum(t) + 1); 0 for an image with no valid pixel."""
+    if num_classes == 1:  # the foreground's probability against its mask
+        probs = logits[:, 0].sigmoid()
+        inter, total, true = (
+            (v * valid).sum((1, 2))[:, None]
+            for v in (probs * target, probs + target, target.float())
+        )
+    else:
+        inter, total, true = soft_dice_sums(logits.softmax(1), target, valid)
+    dice = (2 * inter + 1) / (total + 1)  # +1: no 0 / 0
+    present = (true > 0).float()  # the classes in the mask
+    return ((1 - dice) * present).sum(1) / present.sum(1).clamp(min=1)
+
+
+def soft_dice_sums(probs, target, valid):
+    """Per image and class [N, C], over the valid pixels: sum(p * t), sum(p) + sum(t) and sum(t),
+    where p is probs [N, C, H, W] and t the one-hot target. From the labels [N, H, W] by a
+    gather and scatters, with no [N, C, H, W] one-hot: that costs passes over a tensor as large
+    as the logits, which with many classes is most of the step (docs/performance.md)."""
+    n, c = probs.shape[:2]
+    labels, valid = target.reshape(n, -1), valid.reshape(n, -1).to(probs.dtype)
+    hit = probs.gather(1, target[:, None]).reshape(n, -1) * valid  # p of the true class
+    inter = probs.new_zeros(n, c).scatter_add_(1, labels, hit)
+    true = probs.new_zeros(n, c).scatter_add_(1, labels, valid)
+    predicted = torch.bmm(probs.reshape(n, c, -1), valid[:, :, None])[..., 0]
+    return inter, predicted + true, true
 
 
 def listed_weights(text):
@@ -305,13 +336,14 @@ def class_weights(cfg, class_pixels):
 
 
 # ADAPT: your metric. Per image and class but the background: |pred & true| and |pred| + |true|,
-# of hard predictions; ignored pixels (IGNORE) are in neither. evaluate() makes the mean Dice.
-def dice_counts(logits, target, num_classes, background=0):
-    pred = torch.where(target == IGNORE, background, predicted_classes(logits, num_classes))
-    classes = dice_classes(num_classes, background)
-    classes = torch.tensor(classes, device=pred.device)[:, None, None]
-    pred, true = pred[:, None] == classes, target[:, None] == classes  # [N, classes, H, W]
-    return (pred & true).sum((2, 3)), pred.sum((2, 3)) + true.sum((2, 3))
+# of hard predictions, from each image's confusion matrix [N, C * C] (confusion_counts, where
+# ignored pixels are in no cell). evaluate() makes the mean Dice.
+def dice_counts(matrices, num_classes, background=0):
+    classes = value_count(num_classes)  # one sigmoid output: 2 classes
+    matrices = matrices.view(-1, classes, classes)  # [image, true, predicted]
+    hits, sizes = matrices.diagonal(dim1=1, dim2=2), matrices.sum(1) + matrices.sum(2)
+    kept = dice_classes(num_classes, background)
+    return hits[:, kept], sizes[:, kept]
 
 
 def dice_classes(num_classes, background):
@@ -340,6 +372,7 @@ def train_one_epoch(
                 num_classes=cfg.num_classes,
                 weights=weights,
                 focal_gamma=cfg.focal_gamma,
+                dice_weight=cfg.dice_weight,
             ).mean()
             accelerator.backward(progress.weighted(loss))  # a short last group weighs more
             if cfg.grad_clip and accelerator.sync_gradients:
@@ -404,16 +437,16 @@ def evaluate(
         if panels and panel is None:
             panel = image_panel(x, logits, y, cfg.num_classes, colours=colours)
         loss = loss_per_image(
-            logits, y, num_classes=cfg.num_classes, weights=weights, focal_gamma=cfg.focal_gamma
+            logits,
+            y,
+            num_classes=cfg.num_classes,
+            weights=weights,
+            focal_gamma=cfg.focal_gamma,
+            dice_weight=cfg.dice_weight,
         )
-        counts = (
-            *dice_counts(logits, y, cfg.num_classes, background),
-            loss,
-            confusion_counts(logits, y, cfg.num_classes),  # per image: exact after the gather
-        )
-        inter, total, loss, matrices = (
-            counts if bucketed else accelerator.gather_for_metrics(counts)
-        )
+        counts = (loss, confusion_counts(logits, y, cfg.num_classes))  # per image: exact
+        loss, matrices = counts if bucketed else accelerator.gather_for_metrics(counts)
+        inter, total = dice_counts(matrices, cfg.num_classes, background)
         # Per image, the classes in its mask or prediction: an absent class is no success.
         present = total > 0
         dice = (2 * inter / total.clamp(min=1)).double() * present

@@ -222,19 +222,19 @@ def test_a_unet_copy_with_its_own_model_and_data_trains_on_1_and_2_processes_pre
     assert f"(images of {root})" in exported.output, exported
 
 
-GREY_LOSS = """def loss_per_image(logits, target, *, num_classes, weights=None, focal_gamma=0.0):
+GREY_LOSS = """\
     # Cross-entropy alone, class weights as given, ignored pixels left out; no focal term.
     ce = F.cross_entropy(logits.float(), target, weights, ignore_index=IGNORE, reduction="none")
     return ce.sum((1, 2)) / (target != IGNORE).sum((1, 2)).clamp(min=1)
 """
-GREY_CHANGED_LINES = 23  # the in_channels default, the 21 lines of the loss, the serving import
+GREY_CHANGED_LINES = 23  # the in_channels default, the loss's 21 lines, the serving import
 
 
 @pytest.mark.slow
 def test_a_unet_copy_for_grey_images_with_its_own_loss_trains_and_predicts(shapes, tmp_path):
     # What a user with 1-channel images of 3 classes changes: in the copied recipe only.
     original = (REPO / RECIPE).read_text()
-    start = original.index("def loss_per_image(")
+    start = original.index("\n", original.index("def loss_per_image(")) + 1  # its body
     source = original[:start] + GREY_LOSS + original[original.index("\n\n\n", start) + 1 :]
     # Read every image as grey, even one saved as RGB: the model's input channels by default.
     line = next(line for line in source.splitlines() if line.startswith("    in_channels: int = 0"))

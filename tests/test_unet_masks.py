@@ -32,6 +32,7 @@ from conftest import (
 from PIL import Image
 
 from common.data import DataError, crop_and_flip
+from common.metrics import confusion_counts
 from common.segmentation_data import IGNORE, pad_collate, scan_pairs, value_count
 from unet import read_trained
 from unet_data import Pairs, list_pairs
@@ -434,8 +435,8 @@ def test_padding_changes_neither_the_loss_nor_the_dice_counts(unet, num_classes)
     )
     assert padded_loss.item() == pytest.approx(loss.item(), rel=1e-5)
     for a, b in zip(
-        unet.dice_counts(logits, target, num_classes),
-        unet.dice_counts(padded_logits, y, num_classes),
+        unet.dice_counts(confusion_counts(logits, target, num_classes), num_classes),
+        unet.dice_counts(confusion_counts(padded_logits, y, num_classes), num_classes),
     ):
         assert torch.equal(a[0], b[0])
 

@@ -13,6 +13,7 @@ from conftest import VAL_FRACTION, relabelled
 
 from common.config import UserError, parse_config
 from common.metrics import class_scores, confusion_counts
+from common.segmentation_data import IGNORE
 
 
 def test_miou_comes_from_one_confusion_matrix_and_leaves_absent_classes_out():
@@ -72,6 +73,66 @@ def test_class_weights_and_the_focal_loss(unet):
             ce * (1 - (1 - math.exp(-ce)) ** 2), rel=1e-3
         )
     assert (1 - math.exp(-ce_right)) ** 2 < 1e-3 < 0.9 < (1 - math.exp(-ce_wrong)) ** 2
+
+
+def test_the_dice_term_takes_only_the_classes_in_each_mask_and_dice_weight_scales_it(unet):
+    # Image 0 holds classes 0 and 1 (and ignored pixels), image 1 class 2 alone, image 2 nothing
+    # but ignored pixels; 4 classes, so class 3 is in no mask.
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 5, 6)
+    target = torch.zeros(3, 5, 6, dtype=torch.long)
+    target[0, 2:] = 1
+    target[0, 0, :2] = target[2] = IGNORE
+    target[1] = 2
+    valid = (target != IGNORE).float()
+    p, t = logits.softmax(1), torch.nn.functional.one_hot(target.clamp(min=0), 4)
+    p, t = p * valid[:, None], t.permute(0, 3, 1, 2) * valid[:, None]
+    dice = (2 * (p * t).sum((2, 3)) + 1) / ((p + t).sum((2, 3)) + 1)
+    ce = torch.nn.functional.cross_entropy(logits, target, ignore_index=IGNORE, reduction="none")
+    ce = ce.sum((1, 2)) / valid.sum((1, 2)).clamp(min=1)
+    # The Dice loss of each image is the mean over the classes in its mask, not over all 4: a
+    # class absent from a mask gets no term that pushes its probability down there.
+    dice_loss = torch.stack([1 - dice[0, :2].mean(), 1 - dice[1, 2], torch.tensor(0.0)])
+    for weight in (1.0, 0.5, 0.0):
+        loss = unet.loss_per_image(logits, target, num_classes=4, dice_weight=weight)
+        assert torch.allclose(loss, ce + weight * dice_loss, atol=1e-6), weight
+    assert unet.loss_per_image(logits, target, num_classes=4)[2] == 0  # nothing to learn from
+    # One sigmoid output: the Dice of the foreground, where the mask holds any.
+    fg = torch.randn(2, 1, 5, 6)
+    binary = torch.zeros(2, 5, 6, dtype=torch.long)
+    binary[0, :2] = 1
+    q = fg[:, 0].sigmoid()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(
+        fg[:, 0], binary.float(), reduction="none"
+    )
+    fg_dice = (2 * (q * binary)[0].sum() + 1) / ((q + binary)[0].sum() + 1)
+    expected = bce.mean((1, 2)) + torch.stack([1 - fg_dice, torch.tensor(0.0)])
+    assert torch.allclose(unet.loss_per_image(fg, binary, num_classes=1), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("classes", [2, 117])
+def test_dice_sums_and_counts_from_the_labels_equal_those_of_a_dense_one_hot(unet, classes):
+    # The soft Dice sums of the loss (gathers and scatters over the labels) and the hard Dice
+    # counts of evaluate (from each image's confusion matrix) against what a dense one-hot
+    # [N, C, H, W] gives, as the recipe computed them before, ignored pixels in none.
+    torch.manual_seed(0)
+    logits = 3 * torch.randn(4, classes, 9, 7)
+    target = torch.randint(0, classes, (4, 9, 7))
+    target[0, :3] = IGNORE
+    valid = target != IGNORE
+    probs = logits.softmax(1)
+    onehot = torch.nn.functional.one_hot(target.clamp(min=0), classes).permute(0, 3, 1, 2)
+    p, t = probs * valid[:, None], onehot * valid[:, None]
+    inter, total, true = unet.soft_dice_sums(probs, target.clamp(min=0), valid)
+    assert torch.allclose(inter, (p * t).sum((2, 3)), atol=1e-5)
+    assert torch.allclose(total, (p + t).sum((2, 3)), atol=1e-5)
+    assert torch.equal(true, t.sum((2, 3)).float())
+    pred = torch.where(valid, logits.argmax(1), 0)
+    foreground = torch.arange(1, classes)[:, None, None]
+    pred, truth = pred[:, None] == foreground, target[:, None] == foreground  # [N, C - 1, H, W]
+    hits, sizes = unet.dice_counts(confusion_counts(logits, target, classes), classes)
+    assert torch.equal(hits, (pred & truth).sum((2, 3)))
+    assert torch.equal(sizes, pred.sum((2, 3)) + truth.sum((2, 3)))
 
 
 @pytest.mark.slow

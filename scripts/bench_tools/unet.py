@@ -107,7 +107,12 @@ def bench_unet(args, accelerator):
     def step(model, optimizer, x, y):
         """The recipe's training step with nothing around it: loss, backward, clipping, AdamW."""
         loss = unet.loss_per_image(
-            model(x), y, num_classes=cfg.num_classes, weights=weights, focal_gamma=cfg.focal_gamma
+            model(x),
+            y,
+            num_classes=cfg.num_classes,
+            weights=weights,
+            focal_gamma=cfg.focal_gamma,
+            dice_weight=cfg.dice_weight,
         ).mean()
         accelerator.backward(loss)
         if cfg.grad_clip:
