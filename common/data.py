@@ -31,6 +31,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
+import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -346,6 +347,76 @@ def crop_and_flip(images, masks, rand, *, crop=0, hflip=0.0, vflip=0.0):
     )
     # Indexing with a slice between the index tensors puts the channels last: [N, h, w, C].
     return images[batch, :, rows, cols].permute(0, 3, 1, 2).contiguous(), masks[batch, rows, cols]
+
+
+def zoom_and_rotate(images, masks, rand, *, zoom=0.0, rotate=0.0):
+    """Each image of a batch and its mask resized by a factor from 1 / (1 + zoom) to 1 + zoom
+    (rand[n, 0], uniform on a log scale), rotated about the centre by up to `rotate` degrees
+    either way (rand[n, 1]), and moved (rand[n, 2] and rand[n, 3]): zoomed in, a random window
+    of it fills the frame; zoomed out, it lies at a random place in the frame. The size stays;
+    the image is resampled bilinearly, the mask by nearest neighbour, and what comes from
+    outside the image is 0 in the image and IGNORE (-1) in the mask. images uint8 [N, C, H, W],
+    masks class indices [N, H, W] (IGNORE where ignored); one grid_sample per tensor, on the
+    batch's device. zoom and rotate 0: the batch itself."""
+    if not (zoom or rotate):
+        return images, masks
+    n, _, height, width = images.shape
+    rand = rand.to(images.device, torch.float32)
+    factor = (1 + zoom) ** (2 * rand[:, 0] - 1)
+    angle = torch.deg2rad(rotate * (2 * rand[:, 1] - 1))
+    cos, sin = angle.cos() / factor, angle.sin() / factor
+    # Output -> input coordinates in affine_grid's units, which run from -1 to 1 along each side:
+    # rotated in pixels (hence height / width), and moved within what keeps the frame covered
+    # (zoomed in) or the image whole (zoomed out).
+    shift = (1 - 1 / factor).abs()[:, None] * (2 * rand[:, 2:4] - 1)
+    theta = torch.stack(
+        [
+            torch.stack([cos, -sin * height / width, shift[:, 0]], 1),
+            torch.stack([sin * width / height, cos, shift[:, 1]], 1),
+        ],
+        1,
+    )
+    grid = F.affine_grid(theta, [n, 1, height, width], align_corners=False)
+    # The classes + 1, so that the zeros from outside become IGNORE, and ignored pixels stay so;
+    # and ones, which say what lies inside the image. The image's edge pixels are repeated past
+    # it (border), so that no zero darkens them, then what lies outside is 0.
+    labels = torch.stack([masks + 1, torch.ones_like(masks)], 1).float()
+    labels, inside = F.grid_sample(labels, grid, mode="nearest", align_corners=False).unbind(1)
+    moved = F.grid_sample(
+        images.float(), grid, mode="bilinear", padding_mode="border", align_corners=False
+    )
+    moved = (moved * inside[:, None]).round_().clamp_(0, 255)
+    return moved.to(images.dtype), labels.to(masks.dtype) - 1
+
+
+def colour_jitter(images, rand, strength):
+    """Brightness, contrast and saturation of each image of a batch times its own factors from
+    1 - strength to 1 + strength (rand[n, 0], rand[n, 1], rand[n, 2]), as torchvision's
+    ColorJitter: brightness scales the pixels, contrast moves them from the image's mean grey,
+    saturation from each pixel's grey. Grey images (1 or 2 channels) get brightness and
+    contrast, and an alpha channel stays. uint8 [N, C, H, W] in and out, on the batch's device;
+    strength 0: the batch itself."""
+    if not strength:
+        return images
+    rand = rand.to(images.device, torch.float32)
+    brightness, contrast, saturation = 1 + strength * (2 * rand.T[:3, :, None, None, None] - 1)
+    colours = 3 if images.shape[1] >= 3 else 1
+    x = (images[:, :colours].float() * brightness).clamp(0, 255)
+    mean = grey(x).mean((2, 3), keepdim=True)
+    x = ((x - mean) * contrast + mean).clamp(0, 255)
+    if colours == 3:
+        luminance = grey(x)
+        x = ((x - luminance) * saturation + luminance).clamp(0, 255)
+    return torch.cat([x.round().to(images.dtype), images[:, colours:]], 1)
+
+
+def grey(x):
+    """The luminance [N, 1, H, W] of RGB floats [N, 3, H, W] (ITU-R 601, as torchvision's
+    rgb_to_grayscale), or grey images themselves."""
+    if x.shape[1] == 1:
+        return x
+    weights = torch.tensor([0.299, 0.587, 0.114], device=x.device).view(1, 3, 1, 1)
+    return (x * weights).sum(1, keepdim=True)
 
 
 def pad_to(tensor, height, width, value):

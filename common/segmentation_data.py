@@ -55,7 +55,7 @@ IGNORE = (
     -1
 )  # the class of pixels that count for nothing (padding, ignored values): no loss, no metric
 STORED_IGNORE = 255  # IGNORE in a uint8 class mask, which therefore holds up to 255 classes
-RANDOMS = 8  # uniform random numbers per training sample that an augmentation gets (rand[n])
+RANDOMS = 16  # uniform random numbers per training sample that an augmentation gets (rand[n])
 MODES = {1: "L", 2: "LA", 3: "RGB", 4: "RGBA"}  # input channels -> the PIL mode images are read in
 GREY_MODES = ("1", "L", "I", "I;16", "F")
 ALPHA_MODES = ("RGBA", "LA", "PA")

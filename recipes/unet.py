@@ -33,7 +33,7 @@ from common.checkpoint import (
     save_weights,
 )
 from common.config import RunConfig, UserError, require, require_at_least
-from common.data import crop_and_flip
+from common.data import colour_jitter, crop_and_flip, zoom_and_rotate
 from common.determinism import set_deterministic
 from common.ema import EMA
 from common.inference import segment
@@ -116,6 +116,9 @@ class Config(RunConfig):
     crop_size: int = 0  # training only: a random square crop after the resize; 0: no crop
     hflip: float = 0.5  # training only: probability of a horizontal flip
     vflip: float = 0.0  # training only: probability of a vertical flip
+    zoom: float = 0.0  # training only: resize by a random factor 1/(1 + zoom)..1 + zoom, in place
+    rotate: float = 0.0  # training only: rotate by up to this many degrees either way
+    jitter: float = 0.0  # training only: brightness, contrast, saturation x a factor 1 +- jitter
     # Images of different sizes: train and evaluate each at its own size, in similar-size batches.
     bucket_by_size: bool = False  # batches padded to their largest image, which loss and Dice skip
     max_batch_pixels: int = 0  # bucket_by_size: padded pixels per batch; 0: batch_size x largest
@@ -152,6 +155,11 @@ class Config(RunConfig):
             f"scheduler must be cosine or plateau, got {self.scheduler!r}",
         )
         require(0 <= self.hflip <= 1 and 0 <= self.vflip <= 1, "hflip and vflip are probabilities")
+        require(
+            self.zoom >= 0 and 0 <= self.rotate <= 180 and 0 <= self.jitter < 1,
+            f"zoom must be 0 or more (0.25: 0.8 to 1.25 times), rotate 0 to 180 degrees and "
+            f"jitter 0 to below 1; got {self.zoom}, {self.rotate} and {self.jitter}",
+        )
         size = image_size(self)
         require(
             self.crop_size == 0 or self.crop_size >= MIN_SIZE,
@@ -239,9 +247,15 @@ def prepare_input(x, cfg):
 
 
 # ADAPT: your augmentation of a training batch, where it is (the GPU if cached): uint8 images
-# [N, C, H, W] and masks [N, H, W] alike. rand [N, 8]: per sample, seeded by (seed, epoch, sample).
+# [N, C, H, W] and masks [N, H, W] alike. rand [N, RANDOMS]: per sample, seeded by (seed, epoch,
+# sample); each transform takes its own columns. Pixels moved in from outside the image are
+# IGNORE in the mask.
 def augment(images, masks, rand, cfg):
-    return crop_and_flip(images, masks, rand, crop=cfg.crop_size, hflip=cfg.hflip, vflip=cfg.vflip)
+    images, masks = crop_and_flip(
+        images, masks, rand[:, :4], crop=cfg.crop_size, hflip=cfg.hflip, vflip=cfg.vflip
+    )
+    images, masks = zoom_and_rotate(images, masks, rand[:, 4:8], zoom=cfg.zoom, rotate=cfg.rotate)
+    return colour_jitter(images, rand[:, 8:11], cfg.jitter), masks
 
 
 # ADAPT: your loss. Ignored pixels (IGNORE: ignore_index, and the padding of bucket_by_size) must

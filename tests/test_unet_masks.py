@@ -31,7 +31,7 @@ from conftest import (
 )
 from PIL import Image
 
-from common.data import DataError, crop_and_flip
+from common.data import DataError, colour_jitter, crop_and_flip, zoom_and_rotate
 from common.metrics import confusion_counts
 from common.segmentation_data import IGNORE, pad_collate, scan_pairs, value_count
 from unet import read_trained
@@ -457,9 +457,8 @@ def epoch_batches(unet, cfg, epoch):
 
 @pytest.mark.slow
 def test_cached_and_decoded_batches_are_identical_with_any_number_of_workers(unet, shapes):
-    settings = dict(
-        dataset=str(shapes), val_fraction=VAL_FRACTION, batch_size=8, crop_size=40, vflip=0.5
-    )
+    settings = dict(dataset=str(shapes), val_fraction=VAL_FRACTION, batch_size=8, crop_size=40)
+    settings.update(vflip=0.5, zoom=0.25, rotate=15, jitter=0.3)
     reading, cached = epoch_batches(unet, unet.Config(**settings, cache_images=True), epoch=3)
     assert reading == "images decoded once, 1 MB in cpu memory"
     for workers in (0, 2, -1):  # -1, the default: one per CPU core less one, at most 8
@@ -493,3 +492,52 @@ def test_crop_and_flip_crop_and_flip_each_image_and_its_mask_alike():
         expected = window.flip(flips) if flips else window
         assert torch.equal(x[n], expected) and torch.equal(y[n], expected[0] * 10), n
     assert crop_and_flip(images, masks, rand) == (images, masks)  # nothing to do
+
+
+def test_zoom_and_rotate_move_each_image_and_its_mask_alike_and_ignore_what_comes_in():
+    images = torch.arange(2 * 64, dtype=torch.uint8).reshape(2, 1, 8, 8)
+    masks = torch.arange(2 * 64).reshape(2, 8, 8) % 5
+    masks[:, 0, 0] = IGNORE
+    plain = torch.full_like(images, 200)  # bilinear resampling leaves it as it is, edges too
+    # rand[n]: zoom factor, angle, and where the image lies; 0.5 is factor 1, angle 0, centred.
+    same = zoom_and_rotate(images, masks, torch.full((2, 4), 0.5), zoom=0.5, rotate=30)
+    assert torch.equal(same[0], images) and torch.equal(same[1], masks)  # ignored stays ignored
+    # Rotated by +90 degrees, exactly: a quarter turn of the pixel grid, image and mask alike.
+    x, y = zoom_and_rotate(images, masks, torch.tensor([[0.5, 1.0, 0.5, 0.5]] * 2), rotate=90)
+    assert torch.equal(x, images.rot90(1, (2, 3))) and torch.equal(y, masks.rot90(1, (1, 2)))
+    # Zoomed in 2x (zoom 1: factors 0.5 to 2), at the top left: that quarter, each pixel 2x2.
+    rand = torch.tensor([[1.0, 0.5, 0.0, 0.0]] * 2)
+    x, y = zoom_and_rotate(plain, masks, rand, zoom=1)
+    assert torch.equal(y, masks[:, :4, :4].repeat_interleave(2, 1).repeat_interleave(2, 2))
+    assert torch.equal(x, plain)
+    # Zoomed out 2x, centred: the image in the middle half, and around it zeros, IGNORE in the
+    # mask, so that the loss and the metrics skip them.
+    small = masks[:, :4, :4]
+    blocks = small.repeat_interleave(2, 1).repeat_interleave(2, 2)  # each class 2x2 pixels
+    x, y = zoom_and_rotate(plain, blocks, torch.tensor([[0.0, 0.5, 0.5, 0.5]] * 2), zoom=1)
+    border = torch.ones(8, 8, dtype=torch.bool)
+    border[2:6, 2:6] = False
+    assert (y[:, border] == IGNORE).all() and (x[:, 0, border] == 0).all()
+    assert torch.equal(y[:, 2:6, 2:6], small)  # nearest neighbour: whole classes
+    assert (x[:, 0, 2:6, 2:6] == 200).all()
+    assert zoom_and_rotate(images, masks, torch.rand(2, 4)) == (images, masks)  # nothing to do
+
+
+def test_colour_jitter_scales_brightness_contrast_and_saturation_per_image():
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (3, 4, 5, 6), dtype=torch.uint8)  # RGBA
+    # rand[n]: brightness, contrast, saturation; 0.5 is a factor of 1.
+    assert torch.equal(colour_jitter(images, torch.full((3, 3), 0.5), 0.4), images)
+    assert colour_jitter(images, torch.rand(3, 3), 0.0) is images  # nothing to do
+    rand = torch.tensor([[1.0, 0.5, 0.5], [0.5, 0.0, 0.5], [0.5, 0.5, 0.0]])
+    x = colour_jitter(images, rand, 0.5).float()
+    rgb = images[:, :3].float()
+    assert torch.equal(x[0, :3], (rgb[0] * 1.5).clamp(max=255).round())  # brighter
+    grey = (rgb * torch.tensor([0.299, 0.587, 0.114]).view(1, 3, 1, 1)).sum(1)
+    # Half the contrast: every pixel halfway to the image's mean grey.
+    assert torch.allclose(x[1, :3], ((rgb[1] + grey[1].mean()) / 2).round(), atol=1)
+    # Half the saturation: each pixel halfway to its own grey.
+    assert torch.allclose(x[2, :3], ((rgb[2] + grey[2]) / 2).round(), atol=1)
+    assert torch.equal(x[:, 3], images[:, 3].float())  # alpha stays
+    grey_images = images[:, :1]  # one channel: brightness and contrast only
+    assert torch.equal(colour_jitter(grey_images, rand, 0.5)[2], grey_images[2])

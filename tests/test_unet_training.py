@@ -303,12 +303,13 @@ def assert_resume_is_bit_identical(args, out, stop_at, steps, nproc=1):
 
 
 @pytest.mark.parametrize("cache, nproc, stop_at, steps", [("false", 1, 5, 12), ("true", 2, 3, 8)])
-def test_stop_and_resume_is_bit_identical_with_crops_and_flips(
+def test_stop_and_resume_is_bit_identical_with_augmentation(
     shapes, tmp_path, cache, nproc, stop_at, steps
 ):
     # Augmentation is seeded per (seed, epoch, sample), so with 2 (persistent) workers decoding,
-    # or from the cache, on 1 process or 2, a resumed run sees the same crops and flips as an
-    # uninterrupted one, across an epoch end (8 steps an epoch on 1 process, 4 on 2).
+    # or from the cache, on 1 process or 2, a resumed run sees the same crops, flips, zooms,
+    # rotations and colours as an uninterrupted one, across an epoch end (8 steps an epoch on 1
+    # process, 4 on 2).
     args = [
         RECIPE,
         "--dataset",
@@ -326,6 +327,7 @@ def test_stop_and_resume_is_bit_identical_with_crops_and_flips(
         32,
         "--vflip",
         0.5,
+        *("--zoom", 0.25, "--rotate", 15, "--jitter", 0.3),
         "--cache_images",
         cache,
     ]
