@@ -444,6 +444,7 @@ class RunConfig:
     # Modes.
     smoke: bool = False  # train smoke_steps steps of one epoch, then evaluate: for tests and CI
     smoke_steps: int = 5
+    overfit_batches: int = 0  # train and evaluate on the first N batches' samples, unaugmented
     eval_only: bool = False  # evaluate `weights` (or the `resume` checkpoint) and stop
     weights: str | None = None  # model.safetensors (or a state_dict .pt) to start from
     export: str = ""  # onnx: write `weights` as a checked .onnx file beside it (docs/export.md)
@@ -469,7 +470,9 @@ class RunConfig:
         )
         # 0: a recipe that sizes its evaluation batches itself (the U-Net's, by pixels).
         require_at_least(self, 0 if type(self).eval_batch_size == 0 else 1, "eval_batch_size")
-        require_at_least(self, 0, "max_steps", "checkpoint_every_steps", "early_stop_patience")
+        require_at_least(
+            self, 0, "max_steps", "checkpoint_every_steps", "early_stop_patience", "overfit_batches"
+        )
         require(
             0 <= self.ema_decay < 1,
             f"ema_decay must be in [0, 1), such as 0.999, got {self.ema_decay}",
@@ -507,6 +510,11 @@ class RunConfig:
     def scaled_lr(self, processes):
         """lr, times processes x accumulation steps with scale_lr (the linear scaling rule)."""
         return self.lr * (processes * self.gradient_accumulation_steps if self.scale_lr else 1)
+
+    def overfit_samples(self, processes):
+        """overfit_batches: the training samples of each process's first N batches (of its
+        batch_size, as with a single process), which it trains and evaluates on; 0: off."""
+        return self.overfit_batches * self.batch_size * processes
 
     def limits(self):
         """(epochs, optimizer steps) the run trains for, counted from its start, also when

@@ -654,6 +654,25 @@ def pad_collate(batch, multiple):
     )
 
 
+class FirstPairs:
+    """The first `count` pairs of a split (all, if it holds fewer), a split of its own: what
+    overfit_batches trains and evaluates on."""
+
+    def __init__(self, pairs, count):
+        self.pairs, self.count = pairs, min(count, len(pairs))
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, i):
+        if not 0 <= i < self.count:
+            raise IndexError(i)
+        return self.pairs[i]
+
+    def identity(self):
+        return [self.pairs.identity(), self.count]
+
+
 class SegmentationSet(Dataset):
     """Whole batches, read a batch at a time (`__getitems__`): uint8 images [N, C, H, W] and
     int64 class indices [N, H, W] (IGNORE where ignored or padded), and for training

@@ -11,7 +11,7 @@ take `--config run.yaml` and `--field value`. Copy this file: `# ADAPT:` marks w
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -167,9 +167,10 @@ def data_classes(cfg):
     return class_names(split[cfg.train_split], cfg.label_column, f"{cfg.train_split} split")
 
 
-def make_loaders(cfg, device="cpu"):
+def make_loaders(cfg, device="cpu", processes=1):
     """Single-process loaders, for prepare() to shard; on a GPU the data lives there or pinned.
-    Each dataset's `classes` names the classes: the training split's."""
+    Each dataset's `classes` names the classes: the training split's. overfit_batches: both
+    hold the first batches of the training split, for `processes`."""
     on_gpu = torch.device(device).type == "cuda"
     if on_gpu and cfg.data_on_device and cfg.num_workers:
         raise UserError(
@@ -188,6 +189,10 @@ def make_loaders(cfg, device="cpu"):
             f"{cfg.train_split} split's ({', '.join(classes)}): give both splits the same classes"
         )
     train_set, test_set = (to_tensors(splits[n], cfg, n, device, classes) for n in names)
+    if cfg.overfit_batches:  # can the model learn a few batches? Trained and evaluated on alike
+        first = cfg.overfit_samples(processes)
+        train_set = test_set = TensorBatches(*(t[:first] for t in train_set.tensors))
+        train_set.classes = classes
     # Each with its own seeded generator, so that a resumed run sees the same dropout masks.
     loader = partial(seeded_loader, seed=cfg.seed, num_workers=cfg.num_workers, pin_memory=pin)
     return (
@@ -197,7 +202,14 @@ def make_loaders(cfg, device="cpu"):
 
 
 # The settings that fix each process's batches: a mid-epoch checkpoint resumes only with these.
-DATA_ORDER = ("dataset", "train_split", "seed", "batch_size", "gradient_accumulation_steps")
+DATA_ORDER = (
+    "dataset",
+    "train_split",
+    "seed",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "overfit_batches",
+)
 
 
 def save(accelerator, cfg, progress, scheduler):
@@ -292,7 +304,9 @@ def main(cfg):
     out, checkpoint = open_run(accelerator, cfg)
 
     # 2. Data: every process loads it (bad data fails alike on every rank); prepare() shards it.
-    train_loader, test_loader = make_loaders(cfg, accelerator.device)
+    if cfg.overfit_batches:  # the first batches as they are: no augmentation
+        cfg = replace(cfg, shift=0)
+    train_loader, test_loader = make_loaders(cfg, accelerator.device, accelerator.num_processes)
     classes = train_loader.dataset.classes  # the data's: its ClassLabel's names, or 0..the last
     require_one_batch_per_process(
         len(train_loader.dataset), cfg.batch_size, accelerator, what=f"the {cfg.train_split} split"

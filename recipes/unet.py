@@ -46,6 +46,7 @@ from common.segmentation_data import (
     IGNORE,
     MODES,
     RECORD,
+    FirstPairs,
     load_segmentation,
     read_weights_record,
     show_value,
@@ -256,6 +257,17 @@ def augment(images, masks, rand, cfg):
     )
     images, masks = zoom_and_rotate(images, masks, rand[:, 4:8], zoom=cfg.zoom, rotate=cfg.rotate)
     return colour_jitter(images, rand[:, 8:11], cfg.jitter), masks
+
+
+# What augment() reads, each at its value that turns it off: overfit_batches trains without them.
+NO_AUGMENTATION = {
+    "crop_size": 0,
+    "hflip": 0.0,
+    "vflip": 0.0,
+    "zoom": 0.0,
+    "rotate": 0.0,
+    "jitter": 0.0,
+}
 
 
 # ADAPT: your loss. Ignored pixels (IGNORE: ignore_index, and the padding of bucket_by_size) must
@@ -513,6 +525,9 @@ def load_data(cfg, accelerator, trained=None):
     all processes, decoding, augmentation's random numbers, bucketing). trained: the record of
     --weights, whose classes are the classes."""
     train_pairs, val_pairs = (Pairs(listed) for listed in list_pairs(cfg))
+    if cfg.overfit_batches:  # can the model learn a few batches? Trained and evaluated on alike
+        first = cfg.overfit_samples(accelerator.num_processes)
+        train_pairs = val_pairs = FirstPairs(train_pairs, first)
     return load_segmentation(
         train_pairs,
         val_pairs,
@@ -596,6 +611,7 @@ DATA_ORDER = (
     "bucket_by_size",
     "max_batch_pixels",
     "scale",
+    "overfit_batches",
 )
 
 
@@ -667,6 +683,8 @@ def main(cfg):
     out, checkpoint = open_run(accelerator, cfg)
 
     # 2. Data: each process checks a share of the masks; a bad one stops every rank alike.
+    if cfg.overfit_batches:  # the first batches as they are: no augmentation
+        cfg = replace(cfg, **NO_AUGMENTATION)
     trained = read_trained(cfg.weights)  # --weights: its classes and model settings
     if trained:
         cfg = fit_to_record(
