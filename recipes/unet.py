@@ -316,7 +316,7 @@ def soft_dice_sums(probs, target, valid):
     """Per image and class [N, C], over the valid pixels: sum(p * t), sum(p) + sum(t) and sum(t),
     where p is probs [N, C, H, W] and t the one-hot target. From the labels [N, H, W] by a
     gather and scatters, with no [N, C, H, W] one-hot: that costs passes over a tensor as large
-    as the logits, which with many classes is most of the step (docs/performance.md)."""
+    as the logits (docs/performance.md, "Many classes")."""
     n, c = probs.shape[:2]
     labels, valid = target.reshape(n, -1), valid.reshape(n, -1).to(probs.dtype)
     hit = probs.gather(1, target[:, None]).reshape(n, -1) * valid  # p of the true class
@@ -639,11 +639,14 @@ def same_classes(classes):
 
 
 DOMINANT = 0.9  # the share of pixels above which one class is said to dominate
+RARE_CLASSES = "recipes/configs/rare_classes.yaml"  # the settings that learned rare classes
 
 
 def imbalance_note(cfg, data):
     """A start-up line when one class holds most of the training pixels and neither class_weights
-    nor focal_gamma is set: the model may then learn that class alone, which Dice hides."""
+    nor focal_gamma is set: the model may then learn that class alone, which Dice hides, and a
+    class of a few pixels may never be learned, even on one batch. It names the settings that
+    learned such classes (docs/unet.md, "Learning your classes")."""
     pixels = data.class_pixels
     top = max(range(len(pixels)), key=pixels.__getitem__)
     share = pixels[top] / max(sum(pixels), 1)
@@ -653,7 +656,8 @@ def imbalance_note(cfg, data):
     name = f"{data.names[top]}, " if data.classes.names else ""
     return (
         f"note: class {top} ({name}mask value {value}) holds {share:.0%} of the training pixels: "
-        f"if the model learns it alone (miou near {1 / len(pixels):.2f}), set --class_weights auto"
+        f"if the model learns it alone (miou near {1 / len(pixels):.2f}), set --class_weights "
+        f"auto, or --config {RARE_CLASSES}; --overfit_batches 1 checks that it can learn one batch"
     )
 
 

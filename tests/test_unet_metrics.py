@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from conftest import VAL_FRACTION, relabelled
+from conftest import REPO, VAL_FRACTION, relabelled
 
 from common.config import UserError, parse_config
 from common.metrics import class_scores, confusion_counts
@@ -152,8 +152,13 @@ def test_the_imbalance_note_names_the_setting_when_one_class_holds_most_pixels(
     assert (
         note.startswith("note: class 0 (mask value 0) holds 9") and "of the training pixels" in note
     )
-    assert note.endswith("set --class_weights auto")
-    for setting in (["--class_weights", "auto"], ["--focal_gamma", "2"]):
+    assert note.endswith(
+        "set --class_weights auto, or --config recipes/configs/rare_classes.yaml; "
+        "--overfit_batches 1 checks that it can learn one batch"
+    )
+    # The preset it names is one that sets the class weights, so that the note says no more.
+    preset = ["--config", str(REPO / unet.RARE_CLASSES)]
+    for setting in (["--class_weights", "auto"], ["--focal_gamma", "2"], preset):
         assert (
             unet.imbalance_note(parse_config(unet.Config, [*map(str, args), *setting]), data)
             is None
