@@ -1,10 +1,11 @@
 """The Accelerator of a run: built for the launch and the accelerate config, described in one
 line, and closed cleanly.
 
+    cfg = cfg.split_global_batch(launched_processes())  # global_batch_size: batch and accumulation
     accelerator = accelerator_for(cfg)            # build_accelerator() with a run's settings
     model, norm = sync_batchnorm(model, accelerator, cfg.sync_bn)  # before prepare()
     optimizer = torch.optim.AdamW(params, fused=fused_kernels(accelerator))
-    accelerator.print(describe(accelerator, cfg.batch_size))
+    accelerator.print(describe(accelerator, cfg.batch_size, global_batch=cfg.global_batch_size))
     ...
     del model, optimizer, train_loader, test_loader   # what holds the process group
     close(accelerator)
@@ -47,7 +48,7 @@ def build_accelerator(
     _ask_for_lomo_once()
     _read_zero_grad_signature_once()
     log_with = tracker(log_with)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launched_processes()
     cpu_ddp = world_size > 1 and not torch.cuda.is_available()
     if cpu_ddp and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
         raise UserError(
@@ -80,6 +81,11 @@ def build_accelerator(
             f"(distributed_type, num_processes)"
         )
     return accelerator
+
+
+def launched_processes():
+    """The number of processes the launcher started (1 without one), before any Accelerator."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 # The Accelerate release whose optimizer the two workarounds below know (docs/performance.md).
@@ -161,9 +167,11 @@ def elastic_restart():
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
-def describe(accelerator, batch):
+def describe(accelerator, batch, global_batch=0):
     """One line: where and how this run trains. batch: the batch size per process, or a text
-    that says what a batch is (bucketed batches)."""
+    that says what a batch is (bucketed batches). global_batch: the global_batch_size setting,
+    whose split the line shows; without it, on several processes, the line says that a step
+    takes more samples than on one and which setting keeps them."""
     precision = accelerator.mixed_precision
     if precision == "fp16" and accelerator.device.type == "cpu":
         precision = "fp16 requested, but the CPU runs fp16 configs in fp32 (use bf16 on CPU)"
@@ -173,9 +181,25 @@ def describe(accelerator, batch):
     if dynamo.backend.value != "NO":
         mode = f" mode {dynamo.mode}" if dynamo.mode not in (None, "default") else ""
         compiled = f", torch.compile backend {dynamo.backend.value.lower()}{mode}"
-    if isinstance(batch, int):
-        per_step = batch * accelerator.num_processes * accelerator.gradient_accumulation_steps
+    processes, steps = accelerator.num_processes, accelerator.gradient_accumulation_steps
+    if global_batch:
+        batch = (
+            f"global batch {global_batch} = {batch} per process x {processes} process(es) x "
+            f"{steps} accumulation step(s)"
+        )
+    elif isinstance(batch, int):
+        per_step = batch * processes * steps
         batch = f"batch {batch} per process = {per_step} per optimizer step"
+        if processes > 1:
+            batch += (
+                f" ({processes} times one process's; --global_batch_size {per_step} keeps it on "
+                f"any process count)"
+            )
+    elif processes > 1:
+        batch += (
+            f" (an optimizer step takes the batches of {processes} processes; "
+            f"--global_batch_size keeps the samples of a step on any process count)"
+        )
     return (
         f"{accelerator.num_processes} process(es) on {accelerator.device.type}{backend}, "
         f"precision {precision}{compiled}, {batch}"

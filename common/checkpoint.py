@@ -282,9 +282,11 @@ def load_checkpoint(accelerator, path, *, recipe, data_order=None, same=None, ex
     """Restore what save_checkpoint wrote into the prepared objects; return trainer_state.
 
     data_order: {setting: value} of the settings that decide which batches each rank gets,
-    such as batch_size and seed, as the recipe stored them in trainer_state. A checkpoint
-    written mid-epoch resumes only with the same values and process count: with others, the
-    batches skipped at resume would not be the ones already trained on.
+    such as batch_size and seed, as the recipe stored them in trainer_state; None: any
+    (eval_only). A checkpoint written mid-epoch resumes only with the same values and process
+    count: with others, the batches skipped at resume would not be the ones already trained on.
+    A checkpoint of a global_batch_size resumes with the same one on any process count and
+    SPLIT settings: the place in the epoch is counted in global batches (Progress.load).
     same: {setting: value} that any checkpoint resumes only with, such as ema_decay (which
     decides what the checkpoint holds); a setting missing from trainer_state counts as off: 0,
     "", [] or False, as the type of `value` has it.
@@ -304,14 +306,18 @@ def load_checkpoint(accelerator, path, *, recipe, data_order=None, same=None, ex
         raise UserError(
             f"checkpoint {path} was written by the {state.get('recipe')} recipe, not {recipe}"
         )
-    if state.get("batches_done"):
-        if state.get("world_size") != accelerator.num_processes:
+    if state.get("batches_done") and data_order is not None:
+        order = dict(data_order)
+        if state.get("global_batch_size"):  # then global_batch_size must be the same, below
+            order = {k: v for k, v in order.items() if k not in SPLIT}
+        elif state.get("world_size") != accelerator.num_processes:
             raise UserError(
                 f"checkpoint {path} was written mid-epoch by {state.get('world_size')} processes: "
                 f"resume it with {state.get('world_size')} processes, or from a checkpoint written "
-                f"at the end of an epoch"
+                f"at the end of an epoch (runs with --global_batch_size resume mid-epoch on any "
+                f"process count)"
             )
-        for name, value in (data_order or {}).items():
+        for name, value in order.items():
             if name in state and state[name] != value:
                 raise UserError(
                     f"checkpoint {path} was written mid-epoch with {name} {state[name]}, not "
@@ -370,6 +376,9 @@ def _as_setting(value):
 
 # Settings that decide what any checkpoint holds: it resumes only with the same values.
 SAME_ON_RESUME = ("ema_decay",)
+# Settings that only split a global batch (global_batch_size) between the processes and their
+# accumulation steps: a mid-epoch checkpoint of one resumes with others, as with another count.
+SPLIT = ("batch_size", "gradient_accumulation_steps")
 
 
 def save_training(accelerator, cfg, *, progress, scheduler, recipe, data_order, **extras):
@@ -412,6 +421,9 @@ def resume_training(accelerator, path, cfg, *, progress, scheduler, recipe, data
     if not cfg.eval_only:  # evaluating steps no schedule
         scheduler.load_state_dict(same_kind(scheduler, state["scheduler"], path))
     progress.load(state)
+    # Accelerate counts the batches of an accumulation group from its saved count, which is this
+    # run's only if the split is the checkpoint's.
+    accelerator.step = progress.batches_done
     return state
 
 

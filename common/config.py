@@ -431,12 +431,16 @@ class RunConfig:
     must include epochs, batch_size, eval_batch_size, lr, seed and num_workers. A field
     declared again in the recipe takes the recipe's default."""
 
-    gradient_accumulation_steps: int = 1  # optimizer step every N batches
-    scale_lr: bool = False  # multiply lr by processes x accumulation steps (linear scaling rule)
     deterministic: bool = False  # bit-repeatable GPU runs, slower (common/determinism.py)
     max_steps: int = 0  # stop after this many optimizer steps (0: train all epochs)
     ema_decay: float = 0.0  # also keep a moving average of the weights, e.g. 0.999; 0: off
     early_stop_patience: int = 0  # stop after this many evaluations without a better metric; 0: off
+    # The batch of an optimizer step: batch_size per process x processes x accumulation steps. Or
+    # global_batch_size samples on any number of processes: batch_size then caps a process's
+    # batch, and the accumulation steps are worked out (docs/resume.md#any-number-of-processes).
+    global_batch_size: int = 0  # samples per optimizer step on any process count; 0: off
+    gradient_accumulation_steps: int = 1  # optimizer step every N batches
+    scale_lr: bool = False  # multiply lr by processes x accumulation steps (linear scaling rule)
     # Checkpoints (output_dir/checkpoints/step-N): the full state, for an exact resume.
     checkpoint_every_steps: int = 0  # also one every N optimizer steps (0: only at epoch ends)
     keep_checkpoints: int = 3  # delete older ones
@@ -471,7 +475,18 @@ class RunConfig:
         # 0: a recipe that sizes its evaluation batches itself (the U-Net's, by pixels).
         require_at_least(self, 0 if type(self).eval_batch_size == 0 else 1, "eval_batch_size")
         require_at_least(
-            self, 0, "max_steps", "checkpoint_every_steps", "early_stop_patience", "overfit_batches"
+            self,
+            0,
+            "global_batch_size",
+            "max_steps",
+            "checkpoint_every_steps",
+            "early_stop_patience",
+            "overfit_batches",
+        )
+        require(
+            not (self.global_batch_size and self.scale_lr),
+            "global_batch_size keeps the samples of an optimizer step the same on any number of "
+            "processes, so the learning rate needs no scaling: leave scale_lr off",
         )
         require(
             0 <= self.ema_decay < 1,
@@ -507,14 +522,34 @@ class RunConfig:
         modes = [m for m in ("check_data", "eval_only", "predict", "export") if getattr(self, m)]
         require(len(modes) < 2 or "check_data" not in modes, f"choose one of {' and '.join(modes)}")
 
+    def split_global_batch(self, processes):
+        """This config as `processes` processes train it. With global_batch_size B: batch_size
+        becomes the largest per-process batch, up to the one given, that divides B / processes,
+        and gradient_accumulation_steps the rest, so that batch x processes x steps = B (a
+        ConfigError if processes does not divide B). Without it: the config as it is."""
+        total = self.global_batch_size
+        if not total:
+            return self
+        require(
+            total % processes == 0,
+            f"global_batch_size {total} does not split evenly over {processes} processes: use a "
+            f"multiple of {processes}, or a process count that divides {total}",
+        )
+        share = total // processes
+        batch = max(n for n in range(1, min(share, self.batch_size) + 1) if share % n == 0)
+        return dataclasses.replace(
+            self, batch_size=batch, gradient_accumulation_steps=share // batch
+        )
+
     def scaled_lr(self, processes):
         """lr, times processes x accumulation steps with scale_lr (the linear scaling rule)."""
         return self.lr * (processes * self.gradient_accumulation_steps if self.scale_lr else 1)
 
     def overfit_samples(self, processes):
         """overfit_batches: the training samples of each process's first N batches (of its
-        batch_size, as with a single process), which it trains and evaluates on; 0: off."""
-        return self.overfit_batches * self.batch_size * processes
+        batch_size, as with a single process; with global_batch_size, the first N optimizer
+        steps' samples on any process count), which it trains and evaluates on; 0: off."""
+        return self.overfit_batches * (self.global_batch_size or self.batch_size * processes)
 
     def limits(self):
         """(epochs, optimizer steps) the run trains for, counted from its start, also when

@@ -8,6 +8,7 @@
     require_one_batch_per_process(len(train_set), batch_size, accelerator, "the train split")
     workers = worker_count(-1, accelerator.num_processes)  # DataLoader workers: 1 a core, <= 8
     loader = seeded_loader(train_set, 64, True, seed, workers)  # for prepare() to shard
+    loader = seeded_loader(train_set, 16, True, seed, global_batch=64)  # the same on any count
     TensorBatches(images, labels)       # a TensorDataset read a whole batch at a time
     x = random_shift(x, 2)              # augmentation: each image moved by up to 2 pixels
     files = image_files("digits/*.png")  # --predict's files, sorted, each header read
@@ -36,6 +37,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, TensorDataset
 
 from common.config import UserError
+from common.sampler import GlobalBatchOrder
 from common.signals import ignore_stop_signals
 
 
@@ -245,17 +247,32 @@ def worker_count(num_workers, processes):
     return num_workers if num_workers >= 0 else min(8, max(1, cpus_per_process(processes) - 1))
 
 
-def seeded_loader(dataset, batch_size, shuffle, seed, num_workers=0, pin_memory=False):
+def seeded_loader(
+    dataset, batch_size, shuffle, seed, num_workers=0, pin_memory=False, global_batch=0, sizes=None
+):
     """A DataLoader as the recipes build theirs, for prepare() to shard. Its own generator:
     starting an epoch draws nothing from the global RNG (dropout), so a resumed run goes on with
     the same random numbers as an uninterrupted one. Persistent workers: starting them every
     epoch costs seconds, and until worker_init_fn runs torch's handler lets SIGTERM kill one, so
     a worker started once is exposed once; they leave Ctrl-C and SIGTERM to the training process
-    (ignore_stop_signals). collate_fn=tuple: the dataset returns whole batches."""
+    (ignore_stop_signals). collate_fn=tuple: the dataset returns whole batches.
+    global_batch (training, the global_batch_size setting): the samples in the order of
+    common.sampler.GlobalBatchOrder (with `sizes`: similar sizes per global batch), so that
+    prepare() deals every optimizer step the same global batch on any number of processes; a
+    DataError if the data holds less than one."""
+    order = None
+    if global_batch:
+        if len(dataset) < global_batch:
+            raise DataError(
+                f"the training data has {len(dataset)} samples, fewer than one global batch "
+                f"(global_batch_size {global_batch}): lower global_batch_size"
+            )
+        order, shuffle = GlobalBatchOrder(len(dataset), global_batch, seed, sizes), False
     return DataLoader(
         dataset,
         batch_size,
         shuffle=shuffle,
+        sampler=order,
         collate_fn=tuple,
         num_workers=num_workers,
         persistent_workers=num_workers > 0,

@@ -61,14 +61,17 @@ class Progress:
     def state(self):
         """What a checkpoint stores to continue from here (trainer_state.json). Mid-epoch, also the
         epoch's loss sum and sample count over all ranks (a collective), so that a resumed epoch
-        reports the training loss of all its batches, as an uninterrupted one does."""
+        reports the training loss of all its batches, as an uninterrupted one does; and the
+        samples of the epoch done over all ranks, where a global batch resumes on any count."""
         carried = [0.0, 0, 0]
         if self.batches_done:
             loss_sum, samples = self.losses.totals(self.accelerator)
             carried = [loss_sum, int(samples), self.skipped]
+        per_batch = self.cfg.batch_size * self.accelerator.num_processes  # over all ranks
         return {
             "epoch": self.epoch,
             "batches_done": self.batches_done,
+            "samples_done": self.batches_done * per_batch,
             "step": self.step,
             self.best_key: self.best,
             "evals_since_best": self.evals_since_best,
@@ -81,6 +84,10 @@ class Progress:
             state["batches_done"],
             state["step"],
         )
+        if self.batches_done and self.cfg.global_batch_size:
+            # Whole global batches: the same place in the epoch on any process count and split.
+            per_batch = self.cfg.batch_size * self.accelerator.num_processes
+            self.batches_done = state["samples_done"] // per_batch
         self.best = state.get(self.best_key)
         self.evals_since_best = state.get("evals_since_best", 0)
         if self.batches_done:

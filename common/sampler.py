@@ -1,4 +1,5 @@
-"""Batches of similar-size samples under a pixel budget, sharded across processes.
+"""Batches of similar-size samples under a pixel budget, sharded across processes; and the order
+of a global batch that stays the same on any number of processes (GlobalBatchOrder).
 
     sizes = [(h, w) for each sample]        # or one int cost per sample
     train_loader = bucket_loader(train_set, sizes, cfg.max_batch_pixels, accelerator, train=True,
@@ -148,6 +149,49 @@ class BucketBatchSampler(Sampler):
                 batches[j % len(batches)] for j in range(self.num_replicas - extra)
             ]
         return batches[self.rank :: self.num_replicas]
+
+
+class GlobalBatchOrder(Sampler):
+    """The training samples of an epoch in the order of a sequence of global batches of
+    `global_batch` samples that is the same on any number of processes, for a DataLoader of
+    micro-batches that accelerator.prepare() deals out.
+
+    Every epoch: a permutation of the samples seeded by (seed, epoch), less its last
+    len(data) % global_batch samples (different ones every epoch), so that every optimizer step
+    has global_batch samples; global batch s is the permutation's samples [s*B, (s+1)*B). With
+    `sizes` (as for BucketBatchSampler), the kept samples are sorted by size first (ties stay
+    in the random order) and the global batches shuffled: each holds samples of similar size.
+
+    How the processes share it: a DataLoader(dataset, sampler=this, batch_size=m) cuts the order
+    into micro-batches of m, and prepare() deals micro-batch k to rank k % P. With accumulation
+    steps a = B / (P * m), the a batches of each rank's optimizer step are then micro-batches
+    s*a*P .. (s+1)*a*P - 1: global batch s, whatever P, m and a are. Read in the order (micro-step,
+    rank), they are its samples in their order. Nothing is repeated to even out the ranks: every
+    rank gets (len // B) * a micro-batches.
+    """
+
+    def __init__(self, n, global_batch, seed=0, sizes=None):
+        if not 1 <= global_batch <= n:
+            raise ValueError(f"global_batch must be 1 to {n} (the samples), got {global_batch}")
+        self.n, self.global_batch, self.seed, self.epoch = n, global_batch, seed, 0
+        self.sizes = None if sizes is None else _parse_sizes(sizes)
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return self.n // self.global_batch * self.global_batch
+
+    def __iter__(self):
+        rng = np.random.default_rng((self.seed, self.epoch))
+        order = rng.permutation(self.n)[: len(self)]
+        if self.sizes is not None:
+            heights, widths = self.sizes
+            area = heights * widths
+            order = order[np.lexsort((heights[order], area[order]))]  # stable: ties stay shuffled
+            batches = order.reshape(-1, self.global_batch)
+            order = batches[rng.permutation(len(batches))].reshape(-1)
+        return iter(order.tolist())
 
 
 def _parse_sizes(sizes):

@@ -826,10 +826,14 @@ def load_segmentation(
     pad_multiple,
     min_size,
     background="",
+    global_batch=0,
 ):
     """Check every mask on all processes, then build the training and validation loaders: plain
     ones for accelerator.prepare() to shard, or with bucket_by_size, bucketed ones that are
     sharded and on the device already (do not prepare them).
+    global_batch (global_batch_size): training batches of batch_size images in the order of
+    global batches of that many (common.sampler.GlobalBatchOrder), the same on any number of
+    processes; with bucket_by_size, of similar sizes, and prepared here.
     classes: MaskClasses as asked (values None: those found); `fixed`: where given values come
     from, for messages (--mask_values, a weights file). image_size: (h, w) or None; scale: 0, or
     each image's own size times it (target_sizes). cache_images: True, False or None (auto: if
@@ -907,6 +911,7 @@ def load_segmentation(
                 seed=seed,
                 num_workers=workers,
                 pin_memory=pin,
+                global_batch=global_batch if shuffle else 0,
             )
             for dataset, size, shuffle in (
                 (train_set, batch_size, True),
@@ -923,17 +928,30 @@ def load_segmentation(
         [(padded(h, pad_multiple), padded(w, pad_multiple)) for h, w in part] for part in sizes
     )
     budget = max_batch_pixels or batch_size * max(h * w for h, w in train_sizes)
-    train = bucket_loader(
-        train_set,
-        train_sizes,
-        budget,
-        accelerator,
-        train=True,
-        seed=seed,
-        collate_fn=tuple,
-        num_workers=workers,
-        pin_memory=pin,
-    )
+    if global_batch:  # batch_size images of similar sizes, dealt out as prepare() deals batches
+        train = seeded_loader(
+            train_set,
+            batch_size,
+            shuffle=True,
+            seed=seed,
+            num_workers=workers,
+            pin_memory=pin,
+            global_batch=global_batch,
+            sizes=train_sizes,
+        )
+        train = accelerator.prepare(train)
+    else:
+        train = bucket_loader(
+            train_set,
+            train_sizes,
+            budget,
+            accelerator,
+            train=True,
+            seed=seed,
+            collate_fn=tuple,
+            num_workers=workers,
+            pin_memory=pin,
+        )
     val_budget = max(budget * eval_batch_size // batch_size, 1) if eval_batch_size else budget
     val = bucket_loader(
         val_set,
@@ -948,6 +966,8 @@ def load_segmentation(
     batch = f"batches of at most {budget} padded pixels per process"
     shape = "their own sizes" + (f" times {scale:g}" if scale else "")
     evaluation = f"evaluation batches of at most {val_budget} padded pixels"
+    if global_batch:  # a count of images per batch, not a pixel budget
+        budget, batch = 0, batch_size
     return SegmentationData(
         train, val, *known, budget, batch, shape, reading, cached, eval_batch_size, evaluation
     )

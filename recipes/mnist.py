@@ -24,7 +24,13 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from common.accelerator import accelerator_for, close, describe, fused_kernels
+from common.accelerator import (
+    accelerator_for,
+    close,
+    describe,
+    fused_kernels,
+    launched_processes,
+)
 from common.cache import cached_tensors
 from common.checkpoint import (
     load_weights,
@@ -72,7 +78,7 @@ class Config(RunConfig):
     output_dir: str = f"runs/{NAME}"  # config.yaml, metrics.jsonl, weights, checkpoints/
     # Training. Defaults: pytorch/examples mnist/main.py (99% in 14 epochs); configs/mnist_fast: 2.
     epochs: int = 14
-    batch_size: int = 64  # per process: the global batch is this x processes x accumulation steps
+    batch_size: int = 64  # per process (global_batch_size: at most); x processes x accumulation
     eval_batch_size: int = 1000  # per process
     optimizer: str = "adadelta"  # adadelta or adamw
     lr: float = 1.0  # learning rate; onecycle: its peak
@@ -196,7 +202,9 @@ def make_loaders(cfg, device="cpu", processes=1):
     # Each with its own seeded generator, so that a resumed run sees the same dropout masks.
     loader = partial(seeded_loader, seed=cfg.seed, num_workers=cfg.num_workers, pin_memory=pin)
     return (
-        loader(train_set, batch_size=cfg.batch_size, shuffle=True),
+        loader(
+            train_set, batch_size=cfg.batch_size, shuffle=True, global_batch=cfg.global_batch_size
+        ),
         loader(test_set, batch_size=cfg.eval_batch_size, shuffle=False),
     )
 
@@ -209,6 +217,7 @@ DATA_ORDER = (
     "batch_size",
     "gradient_accumulation_steps",
     "overfit_batches",
+    "global_batch_size",
 )
 
 
@@ -293,6 +302,7 @@ def recorded_classes(weights):
 
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
+    cfg = cfg.split_global_batch(launched_processes())  # global_batch_size: batch, accumulation
     accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
     set_deterministic(cfg.deterministic)
@@ -333,7 +343,8 @@ def main(cfg):
     sizes = f"{len(train_loader.dataset)} train / {len(test_loader.dataset)} test samples"
     sizes += f" of {len(classes)} classes"
     accelerator.print(
-        f"{NAME}: {describe(accelerator, cfg.batch_size)}; lr {lr:g}; {sizes}; outputs to {out}/"
+        f"{NAME}: {describe(accelerator, cfg.batch_size, cfg.global_batch_size)}; lr {lr:g}; "
+        f"{sizes}; outputs to {out}/"
     )
 
     stored = record_metadata("classes", classes, recipe=NAME)  # what the weights files record

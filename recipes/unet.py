@@ -23,7 +23,14 @@ from accelerate.utils import broadcast, set_seed
 from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
 from tqdm.auto import tqdm
 
-from common.accelerator import accelerator_for, close, describe, fused_kernels, sync_batchnorm
+from common.accelerator import (
+    accelerator_for,
+    close,
+    describe,
+    fused_kernels,
+    launched_processes,
+    sync_batchnorm,
+)
 from common.checkpoint import (
     fit_to_record,
     load_weights,
@@ -129,7 +136,7 @@ class Config(RunConfig):
     num_workers: int = -1  # DataLoader workers per process that decode (if not cached); -1: by CPUs
     # Training.
     epochs: int = 5
-    batch_size: int = 8  # per process: the global batch is this x processes x accumulation steps
+    batch_size: int = 8  # per process (global_batch_size: at most); x processes x accumulation
     eval_batch_size: int = 0  # per process; 0: a training batch's pixels (predict: batch_size)
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 1e-4  # AdamW weight decay
@@ -174,6 +181,11 @@ class Config(RunConfig):
         require(
             not self.bucket_by_size or not (size or self.crop_size),
             "bucket_by_size trains on the images' own sizes: leave image_size, crop_size at 0",
+        )
+        require(
+            not (self.global_batch_size and self.max_batch_pixels),
+            "global_batch_size counts images, max_batch_pixels pixels: set one (batch_size caps "
+            "the images of a process's batch)",
         )
         check_model_settings(self)  # unet_model.py
         check_data_settings(self)  # unet_data.py
@@ -550,6 +562,7 @@ def load_data(cfg, accelerator, trained=None):
         pad_multiple=PAD_MULTIPLE,
         min_size=max(MIN_SIZE, cfg.crop_size),
         background=cfg.background,
+        global_batch=cfg.global_batch_size,
     )
 
 
@@ -608,6 +621,7 @@ DATA_ORDER = (
     "seed",
     "batch_size",
     "gradient_accumulation_steps",
+    "global_batch_size",
     "bucket_by_size",
     "max_batch_pixels",
     "scale",
@@ -675,6 +689,7 @@ def dice_note(cfg, data):
 
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
+    cfg = cfg.split_global_batch(launched_processes())  # global_batch_size: batch, accumulation
     accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
     # No cudnn.benchmark with bucket_by_size: it would time every new (batch, height, width).
@@ -729,7 +744,8 @@ def main(cfg):
     adamw = f"{'fused ' * bool(optimizer.defaults['fused'])}AdamW lr {optimizer.defaults['lr']:g}"
     encoder = f"{cfg.encoder} encoder; " if cfg.encoder else ""
     accelerator.print(
-        f"{NAME}: {describe(accelerator, data.batch)}; {MODES[cfg.in_channels]} images; "
+        f"{NAME}: {describe(accelerator, data.batch, cfg.global_batch_size)}; "
+        f"{MODES[cfg.in_channels]} images; "
         f"{encoder}{adamw}; {norm}; {channels}; {data}; outputs to {out}/"
     )
     for note in [dice_note(cfg, data), *data.notes, imbalance_note(cfg, data)]:

@@ -182,16 +182,40 @@ class TinyNet(nn.Module):  # the user's own model
 """
 
 
+# TinyNet that also writes down the ids (encode_id) of the samples of every training batch, a
+# JSON line per batch in $PROBE_OUT/rank{RANK}.jsonl: what each process trains on, in its order.
+RECORDING_MODEL = """
+import json
+import os
+
+
+class TinyNet(nn.Module):  # the user's own model, which says what it trains on
+    def __init__(self, num_classes):
+        super().__init__()
+        self.fc = nn.Linear(28 * 28, num_classes)
+
+    def forward(self, x):
+        if self.training:
+            pixels = torch.round((x[:, 0, 0, :2] * 0.3081 + 0.1307) * 255).long()  # normalize()^-1
+            rank = os.environ.get("RANK", "0")
+            with open(os.path.join(os.environ["PROBE_OUT"], f"rank{rank}.jsonl"), "a") as f:
+                f.write(json.dumps((pixels[:, 0] + 256 * pixels[:, 1]).tolist()) + "\\n")
+        return self.fc(torch.flatten(x, 1))
+
+"""
+
+
 @contextlib.contextmanager
-def copy_with_tiny_model():
+def copy_with_tiny_model(model=TINY_MODEL):
     """recipes/mnist.py and its serving file copied as README "Make your own recipe" says, with
-    BasicNet swapped for TinyNet: the copy's path, both deleted on leaving."""
+    BasicNet swapped for TinyNet (`model`: its source, such as RECORDING_MODEL): the copy's path,
+    both deleted on leaving."""
     original = (REPO / "recipes" / "mnist.py").read_text()
     serving = (REPO / "recipes" / "mnist_predict.py").read_text()
     name = f"my_recipe_{uuid.uuid4().hex[:8]}"
     line = "    return BasicNet(num_classes=len(classes))  # ADAPT: your model"
     assert original.count(line) == 1
-    source = original.replace("# ADAPT: your model.", TINY_MODEL + "# ADAPT: your model.")
+    source = original.replace("# ADAPT: your model.", model + "# ADAPT: your model.")
     source = source.replace(line, "    return TinyNet(num_classes=len(classes))")
     source = source.replace("from mnist_predict import", f"from {name}_predict import")
     # Two lines of the recipe change, besides the model added, and one of its serving file
@@ -275,6 +299,67 @@ def assert_ema_is_evaluated_and_followed(out, steps, steps_per_epoch):
     state = Path(out) / "checkpoints" / f"step-{steps:08d}" / "trainer_state.json"
     state = json.loads(state.read_text())
     assert state["ema_decay"] == 0.9 and state["best_ema_accuracy"] == max(complete)
+
+
+# ---- Checkpoints written in the test process ----
+
+
+class FakeAccelerator:
+    """What save_training and resume_training ask of an Accelerator, as the main process of
+    `num_processes`."""
+
+    is_main_process = True
+
+    def __init__(self, num_processes=1):
+        import torch
+
+        self.device, self.loaded, self.num_processes = torch.device("cpu"), None, num_processes
+
+    def save_state(self, path):
+        import pathlib
+
+        pathlib.Path(path).mkdir(parents=True)
+
+    def load_state(self, path):
+        self.loaded = path
+
+    def wait_for_everyone(self):
+        pass
+
+    def print(self, *args):
+        pass
+
+
+def saved_run(tmp_path, processes=1, **settings):
+    """A checkpoint that save_training writes for mnist settings, mid-epoch after 3 batches of
+    `processes` processes, with a OneCycle of 16 steps; and what resuming from it needs."""
+    from types import SimpleNamespace
+
+    import torch
+    from recipe_module import load_recipe
+
+    from common.checkpoint import save_training
+    from common.progress import Progress
+
+    mnist = load_recipe("mnist")
+    cfg = mnist.Config(output_dir=str(tmp_path), epochs=2, **settings)
+    accelerator = FakeAccelerator(processes)
+    progress = Progress(accelerator, cfg, metric="accuracy")
+    progress.epoch, progress.batches_done, progress.step = 1, 3, 3
+    progress.losses = SimpleNamespace(totals=lambda accelerator: (1.5, 96))
+    progress.skipped = 0
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 1.0, total_steps=16)
+    save_training(
+        accelerator,
+        cfg,
+        progress=progress,
+        scheduler=scheduler,
+        recipe="mnist",
+        data_order=mnist.DATA_ORDER,
+        mask_values=[0, 255],
+    )
+    return mnist, cfg, optimizer, tmp_path / "checkpoints" / "step-00000003"
 
 
 def _write_split(path, images, labels):

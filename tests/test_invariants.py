@@ -7,6 +7,7 @@ import re
 import accelerate
 import accelerate.optimizer
 import pytest
+from conftest import FakeAccelerator, saved_run
 
 from common.accelerator import _ask_for_lomo_once, _read_zero_grad_signature_once
 
@@ -76,63 +77,6 @@ def test_stop_signals_are_caught_only_once_the_recipe_says_so(tmp_path, monkeypa
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
-
-
-class FakeAccelerator:
-    """What save_training and resume_training ask of an Accelerator, on one process."""
-
-    num_processes, is_main_process = 1, True
-
-    def __init__(self):
-        import torch
-
-        self.device, self.loaded = torch.device("cpu"), None
-
-    def save_state(self, path):
-        import pathlib
-
-        pathlib.Path(path).mkdir(parents=True)
-
-    def load_state(self, path):
-        self.loaded = path
-
-    def wait_for_everyone(self):
-        pass
-
-    def print(self, *args):
-        pass
-
-
-def saved_run(tmp_path, **settings):
-    """A checkpoint that save_training writes for mnist settings, mid-epoch, with a OneCycle of
-    16 steps; and what resuming from it needs."""
-    from types import SimpleNamespace
-
-    import torch
-    from recipe_module import load_recipe
-
-    from common.checkpoint import save_training
-    from common.progress import Progress
-
-    mnist = load_recipe("mnist")
-    cfg = mnist.Config(output_dir=str(tmp_path), epochs=2, **settings)
-    accelerator = FakeAccelerator()
-    progress = Progress(accelerator, cfg, metric="accuracy")
-    progress.epoch, progress.batches_done, progress.step = 1, 3, 3
-    progress.losses = SimpleNamespace(totals=lambda accelerator: (1.5, 96))
-    progress.skipped = 0
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 1.0, total_steps=16)
-    save_training(
-        accelerator,
-        cfg,
-        progress=progress,
-        scheduler=scheduler,
-        recipe="mnist",
-        data_order=mnist.DATA_ORDER,
-        mask_values=[0, 255],
-    )
-    return mnist, cfg, optimizer, tmp_path / "checkpoints" / "step-00000003"
 
 
 def test_one_pair_writes_and_checks_what_a_checkpoint_holds(tmp_path):

@@ -88,6 +88,11 @@ def test_two_process_ddp_exact_eval_count_and_a_clean_exit_with_workers(tiny_mni
     )
     assert_ok(res)
     assert "2 process(es) on cpu, gloo" in res.output
+    # A step of 2 processes takes twice one process's samples: the start-up says so, and how not.
+    assert (
+        "batch 16 per process = 32 per optimizer step (2 times one process's; "
+        "--global_batch_size 32 keeps it on any process count)" in res.output
+    )
     (row,) = read_metrics(tmp_path)
     assert row["world_size"] == 2 and row["eval_samples"] == N_TEST and row["step"] == 5
     assert row["lr"] == 2.0  # scale_lr: lr 1.0 x 2 processes

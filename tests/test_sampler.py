@@ -1,7 +1,8 @@
-"""The bucketing batch sampler (common/sampler.py).
+"""The bucketing batch sampler and the order of a global batch (common/sampler.py).
 
 Most tests build one BucketBatchSampler per simulated rank in this process; the last one
-launches tests/bucket_probe.py on 1 and 2 real processes (gloo DDP on the CPU)."""
+launches tests/bucket_probe.py on 1 and 2 real processes (gloo DDP on the CPU). GlobalBatchOrder
+is dealt out here as prepare() deals it; test_global_batch.py launches it."""
 
 import itertools
 import json
@@ -12,7 +13,7 @@ import pytest
 import torch
 from conftest import assert_ok, launch
 
-from common.sampler import BucketBatchSampler
+from common.sampler import BucketBatchSampler, GlobalBatchOrder
 
 BUDGET = 4096
 # (64, 80) costs 5120 > BUDGET: such a sample must make a batch of its own.
@@ -145,6 +146,47 @@ def test_bad_input_is_rejected():
     for sizes in ([], [(3, 4, 5)], [(3, 4), (0, 2)], [2.5]):
         with pytest.raises(ValueError, match="sizes"):
             BucketBatchSampler(sizes, BUDGET)
+
+
+def optimizer_steps(order, batch, processes):
+    """The samples of each optimizer step when prepare() deals the batches of
+    DataLoader(sampler=order, batch_size=batch) to `processes` ranks (BatchSamplerShard), each
+    accumulating until global_batch: read batch by batch of a step, rank by rank."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    ranks = [
+        list(BatchSamplerShard(BatchSampler(order, batch, drop_last=False), processes, rank))
+        for rank in range(processes)
+    ]
+    assert len({len(batches) for batches in ranks}) == 1, "as many batches on every rank"
+    steps = order.global_batch // (batch * processes)
+    return [
+        [i for j in range(steps) for batches in ranks for i in batches[s * steps + j]]
+        for s in range(len(ranks[0]) // steps)
+    ]
+
+
+@pytest.mark.parametrize("sizes", [None, SIZES], ids=["shuffled", "bucketed"])
+def test_a_global_batch_holds_the_same_samples_on_any_process_count(sizes):
+    # 211 samples, global batches of 24: 8 an epoch, 19 samples left out (others every epoch).
+    order = GlobalBatchOrder(len(SIZES), 24, seed=5, sizes=sizes)
+    epochs = {}
+    for epoch in (1, 2):
+        order.set_epoch(epoch)
+        samples = list(order)
+        assert len(samples) == len(set(samples)) == 8 * 24
+        epochs[epoch] = [samples[s * 24 : (s + 1) * 24] for s in range(8)]
+        for processes, batch in ((1, 24), (1, 8), (2, 12), (2, 3), (3, 8), (4, 2)):
+            assert optimizer_steps(order, batch, processes) == epochs[epoch], (processes, batch)
+    assert set(flat(epochs[1])) != set(flat(epochs[2])), "other samples left out every epoch"
+    again = GlobalBatchOrder(len(SIZES), 24, seed=5, sizes=sizes)
+    again.set_epoch(2)
+    assert list(again) == flat(epochs[2])
+    if sizes is not None:  # each global batch is a run of the epoch's samples sorted by size
+        areas = [sorted(SIZES[i][0] * SIZES[i][1] for i in batch) for batch in epochs[1]]
+        areas.sort(key=lambda a: (a[0], a[-1]))
+        assert all(a[-1] <= b[0] for a, b in itertools.pairwise(areas))
 
 
 @pytest.mark.slow
