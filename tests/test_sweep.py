@@ -8,6 +8,7 @@ import re
 import shlex
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,22 @@ def without_port(launch_line):
     return shlex.join(words[:i] + words[i + 2 :])
 
 
+def kill_outside_the_journals_lock(proc, journal):
+    """kill -9 of `proc` at a moment it does not hold Optuna's lock on `journal`: a lock left by
+    a killed process holds the next sweeps up for Optuna's grace period (30 s), in which the
+    orphaned trial could finish before anyone takes it over. Stopped first, so that it cannot
+    take the lock between the look and the kill."""
+    held = journal.with_name(journal.name + ".lock")
+    while True:
+        proc.send_signal(signal.SIGSTOP)
+        if not os.path.lexists(held):
+            break
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.01)
+    proc.kill()
+    proc.communicate()
+
+
 @pytest.mark.slow
 def test_a_killed_sweeps_trial_is_taken_over_and_two_sweeps_share_one_study(tiny_mnist, tmp_path):
     out, journal = tmp_path / "sweep", tmp_path / "shared" / "study.journal"
@@ -145,8 +162,7 @@ def test_a_killed_sweeps_trial_is_taken_over_and_two_sweeps_share_one_study(tiny
     killed = start_sweep(command, threads=1)
     trial_0 = out / "trial-0000"
     wait_for(lambda: (trial_0 / "metrics.jsonl").exists(), killed)
-    killed.kill()
-    killed.communicate()
+    kill_outside_the_journals_lock(killed, journal)
     # Two sweep processes on the study: one takes trial 0 over (stops its run at a checkpoint and
     # continues it), the other runs trial 1; neither runs a trial the other runs.
     first, second = start_sweep(command, threads=1), start_sweep(command, threads=1)
