@@ -209,6 +209,10 @@ def test_the_global_batch_is_split_by_the_process_count_and_batch_size():
         assert (cfg.batch_size, cfg.gradient_accumulation_steps) == split
     plain = mnist.Config(batch_size=32, gradient_accumulation_steps=2)
     assert plain.split_global_batch(2) == plain
+    # overfit_batches N: the samples of the first N optimizer steps, on any process count.
+    for processes in (1, 2, 3):
+        cfg = mnist.Config(global_batch_size=48, batch_size=16, overfit_batches=2)
+        assert cfg.split_global_batch(processes).overfit_samples(processes) == 96
     with pytest.raises(ConfigError, match="global_batch_size 48 does not split evenly over 5 pro"):
         mnist.Config(global_batch_size=48).split_global_batch(5)
     for recipe, args, message in [
