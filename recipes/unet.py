@@ -308,6 +308,18 @@ def loss_per_image(logits, target, *, num_classes, weights=None, focal_gamma=0.0
     return loss
 
 
+def compute_loss(logits, target, cfg, weights):
+    """loss_per_image with the run's settings: what training and evaluation both call."""
+    return loss_per_image(
+        logits,
+        target,
+        num_classes=cfg.num_classes,
+        weights=weights,
+        focal_gamma=cfg.focal_gamma,
+        dice_weight=cfg.dice_weight,
+    )
+
+
 def soft_dice_loss(logits, target, valid, num_classes):
     """Per image, the mean over the classes in its mask (its valid pixels) of 1 - soft Dice,
     (2 sum(p t) + 1) / (sum(p) + sum(t) + 1); 0 for an image with no valid pixel."""
@@ -404,14 +416,7 @@ def train_one_epoch(
         with accelerator.accumulate(model):
             x, y = augment(x, y, rand, cfg)  # per sample, the same on any number of processes
             logits = model(prepare_input(x, cfg))
-            loss = loss_per_image(
-                logits,
-                y,
-                num_classes=cfg.num_classes,
-                weights=weights,
-                focal_gamma=cfg.focal_gamma,
-                dice_weight=cfg.dice_weight,
-            ).mean()
+            loss = compute_loss(logits, y, cfg, weights).mean()
             accelerator.backward(progress.weighted(loss))  # a short last group weighs more
             if cfg.grad_clip and accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -474,14 +479,7 @@ def evaluate(
         logits = segment(net, x_in, tile=cfg.predict_tile, flips=flips, multiple=PAD_MULTIPLE)
         if panels and panel is None:
             panel = image_panel(x, logits, y, cfg.num_classes, colours=colours)
-        loss = loss_per_image(
-            logits,
-            y,
-            num_classes=cfg.num_classes,
-            weights=weights,
-            focal_gamma=cfg.focal_gamma,
-            dice_weight=cfg.dice_weight,
-        )
+        loss = compute_loss(logits, y, cfg, weights)
         counts = (loss, confusion_counts(logits, y, cfg.num_classes))  # per image: exact
         loss, matrices = counts if bucketed else accelerator.gather_for_metrics(counts)
         inter, total = dice_counts(matrices, cfg.num_classes, background)

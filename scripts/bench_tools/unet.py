@@ -106,14 +106,7 @@ def bench_unet(args, accelerator):
 
     def step(model, optimizer, x, y):
         """The recipe's training step with nothing around it: loss, backward, clipping, AdamW."""
-        loss = unet.loss_per_image(
-            model(x),
-            y,
-            num_classes=cfg.num_classes,
-            weights=weights,
-            focal_gamma=cfg.focal_gamma,
-            dice_weight=cfg.dice_weight,
-        ).mean()
+        loss = unet.compute_loss(model(x), y, cfg, weights).mean()
         accelerator.backward(loss)
         if cfg.grad_clip:
             accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
