@@ -79,11 +79,14 @@ stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean e
 # training step on 2 cores takes 0.7 s with 2 threads and 1.2 s with 1. BENCH_ARGS go to all three,
 # such as BENCH_ARGS="--steps 2 --reps 1 --startup_runs 0" for a quick check that they run.
 BENCH_ARGS ?=
-.PHONY: bench
+.PHONY: bench bench-startup
 bench: $(BIN)/.installed data/shapes  ## MNIST, its fast preset and U-Net: recipe loop vs compute bound vs classic loop, start-up (runs/bench/)
 	$(BIN)/python scripts/bench.py --recipe mnist $(BENCH_ARGS)
 	$(BIN)/python scripts/bench.py --recipe mnist --config recipes/configs/mnist_fast.yaml $(BENCH_ARGS)
 	$(BIN)/python scripts/bench.py --recipe unet $(BENCH_ARGS)
+
+bench-startup: $(BIN)/.installed  ## U-Net start-up against 500, 4,000 and 20,000 image/mask pairs (~2 min)
+	$(BIN)/python scripts/startup_bench.py
 
 gpu-check: $(BIN)/.installed data/shapes  ## on a GPU: both recipes in fp32, fp16 and bf16, as a table
 	$(BIN)/python scripts/gpu_check.py

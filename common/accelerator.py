@@ -20,7 +20,7 @@ import os
 import accelerate.optimizer
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, broadcast_object_list
 
 from common.config import UserError
 from common.tracking import tracker
@@ -86,6 +86,26 @@ def build_accelerator(
 def launched_processes():
     """The number of processes the launcher started (1 without one), before any Accelerator."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def from_main_process(accelerator, compute):
+    """compute() done on the main process alone and its result sent to every process: work that
+    each would repeat on the same files (listing and pairing a folder's images and masks) is done
+    once per job. An error it raises is raised on every process alike, so that no rank waits
+    for a result that will not come."""
+    if accelerator.num_processes == 1:
+        return compute()
+    box = [None, None]  # the result, or the error
+    if accelerator.is_main_process:
+        try:
+            box = [compute(), None]
+        except Exception as e:  # raised below, on every process
+            box = [None, e]
+    broadcast_object_list(box)
+    result, error = box
+    if error is not None:
+        raise error
+    return result
 
 
 # The Accelerate release whose optimizer the two workarounds below know (docs/performance.md).

@@ -13,8 +13,10 @@ pattern (mask_name): "{stem}.png" (Pet's trimaps), "{stem}_segmentation.png" (IS
 "", is milesial/Pytorch-UNet's: "{stem}.*" or "{stem}_mask.*".
 """
 
+import fnmatch
 import glob
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -29,15 +31,13 @@ def image_paths(where, what="--images"):
     """The image files of a folder (not its subfolders) or of a glob, sorted; a DataError names
     a folder that does not exist or a glob that matches no image."""
     if Path(where).is_dir():
-        paths = sorted(p for p in Path(where).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        paths = sorted(
+            (p for p in Path(where).iterdir() if p.suffix.lower() in IMAGE_SUFFIXES), key=str
+        )
         if not paths:
             raise DataError(f"{what} {where} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
         return paths
-    paths = sorted(
-        Path(p)
-        for p in glob.glob(where, recursive=True)
-        if Path(p).suffix.lower() in IMAGE_SUFFIXES
-    )
+    paths = sorted((Path(p) for p in glob.glob(where, recursive=True) if is_image(p)), key=str)
     if not paths:
         exists = glob.has_magic(where) or Path(where).exists()
         why = "matches no image files" if exists else "does not exist"
@@ -47,9 +47,11 @@ def image_paths(where, what="--images"):
     return paths
 
 
-def mask_finder(masks, mask_name, what="--masks"):
+def mask_finder(masks, mask_name, stems, what="--masks"):
     """A function stem -> [mask paths] for the masks of `masks` (a folder, or a glob of the mask
-    files) named by the pattern mask_name ("" for DEFAULT_MASK_NAMES)."""
+    files) named by the pattern mask_name ("" for DEFAULT_MASK_NAMES), for the image `stems`.
+    The masks are indexed by stem once, so pairing is linear in the number of files: a pattern
+    with "*" is matched once per mask name and stem it could hold, never once per pair."""
     patterns = [mask_name] if mask_name else DEFAULT_MASK_NAMES
     if Path(masks).is_dir():
         files = {p.name: p for p in Path(masks).iterdir()}
@@ -57,20 +59,41 @@ def mask_finder(masks, mask_name, what="--masks"):
         files = {Path(p).name: Path(p) for p in glob.glob(masks, recursive=True)}
         if not files:
             raise DataError(f"{what} {masks} does not exist: give the folder of the masks")
-    names = sorted(files)
+    stems = set(stems)
+    index = {}  # stem: its masks, in the order of the patterns, then of the names
+    for pattern in patterns:
+        before, after = pattern.split("{stem}", 1)
+        if "*" not in pattern:  # one name per stem: look it up
+            for stem in stems:
+                if (name := f"{before}{stem}{after}") in files:
+                    index.setdefault(stem, []).append(files[name])
+            continue
+        head, tail = (re.compile(fnmatch.translate(part)) for part in (before, after))
+        for name in sorted(n for n in files if is_image(n)):
+            for stem in stems_in(name, head, tail, stems):
+                index.setdefault(stem, []).append(files[name])
 
     def find(stem):
-        found = []
-        for pattern in patterns:
-            name = pattern.format(stem=stem)
-            if "*" in name:
-                found += [files[n] for n in names if Path(n).match(name) and is_image(n)]
-            elif name in files:
-                found.append(files[name])
-        return found
+        return index.get(stem, [])
 
     find.files = files
     return find
+
+
+def stems_in(name, head, tail, stems):
+    """The stems among `stems` that make the file `name` read as head + stem + tail, where head
+    and tail are compiled glob patterns and a stem is taken as it is (brackets and all). Each
+    split of the name is tried: the work grows with the name's length, not with the stems."""
+    if head.pattern == fnmatch.translate(""):  # the pattern starts with the stem
+        starts = [0]
+    else:
+        starts = [i for i in range(len(name) + 1) if head.fullmatch(name[:i])]
+    return [
+        name[start:end]
+        for start in starts
+        for end in range(start + 1, len(name) + 1)
+        if name[start:end] in stems and tail.fullmatch(name[end:])
+    ]
 
 
 def is_image(name):
@@ -83,7 +106,6 @@ def folder_pairs(images, masks, *, mask_name="", names=None, what=("--images", "
     order (a split's list), each of which must be there. One line for an image without a mask,
     which says how the masks there are named."""
     paths = image_paths(images, what[0])
-    find = mask_finder(masks, mask_name, what[1])
     if names is not None:
         by_stem = {p.stem: p for p in paths}
         missing = [n for n in names if n not in by_stem]
@@ -93,6 +115,7 @@ def folder_pairs(images, masks, *, mask_name="", names=None, what=("--images", "
                 f"{images}: check the list, or the folder of --images"
             )
         paths = [by_stem[n] for n in names]
+    find = mask_finder(masks, mask_name, [p.stem for p in paths], what[1])
     pairs = []
     for image in paths:
         found = find(image.stem)

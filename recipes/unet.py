@@ -27,6 +27,7 @@ from common.accelerator import (
     accelerator_for,
     close,
     describe,
+    from_main_process,
     fused_kernels,
     launched_processes,
     sync_batchnorm,
@@ -534,7 +535,8 @@ def load_data(cfg, accelerator, trained=None):
     and reads the pairs, common/segmentation_data.py does the rest (the scan of every mask on
     all processes, decoding, augmentation's random numbers, bucketing). trained: the record of
     --weights, whose classes are the classes."""
-    train_pairs, val_pairs = (Pairs(listed) for listed in list_pairs(cfg))
+    listed = from_main_process(accelerator, lambda: list_pairs(cfg))  # paired once per job
+    train_pairs, val_pairs = (Pairs(split) for split in listed)
     if cfg.overfit_batches:  # can the model learn a few batches? Trained and evaluated on alike
         first = cfg.overfit_samples(accelerator.num_processes)
         train_pairs = val_pairs = FirstPairs(train_pairs, first)
