@@ -58,6 +58,7 @@ from common.segmentation_data import (
     load_segmentation,
     read_weights_record,
     show_value,
+    twins_note,
     value_count,
     weights_record,
 )
@@ -123,7 +124,7 @@ class Config(RunConfig):
     image_size: str = ""  # resize to SIZE x SIZE, or HxW (height x width); empty: the files' size
     scale: float = 0.0  # resize each image by this factor, keeping its aspect ratio; 0: no resize
     crop_size: int = 0  # training only: a random square crop after the resize; 0: no crop
-    hflip: float = 0.5  # training only: probability of a horizontal flip
+    hflip: float | None = None  # training: flip probability; auto: 0.5, 0 for left/right classes
     vflip: float = 0.0  # training only: probability of a vertical flip
     zoom: float = 0.0  # training only: resize by a random factor 1/(1 + zoom)..1 + zoom, in place
     rotate: float = 0.0  # training only: rotate by up to this many degrees either way
@@ -163,7 +164,10 @@ class Config(RunConfig):
             self.scheduler in ("cosine", "plateau"),
             f"scheduler must be cosine or plateau, got {self.scheduler!r}",
         )
-        require(0 <= self.hflip <= 1 and 0 <= self.vflip <= 1, "hflip and vflip are probabilities")
+        require(
+            (self.hflip is None or 0 <= self.hflip <= 1) and 0 <= self.vflip <= 1,
+            "hflip and vflip are probabilities",
+        )
         require(
             self.zoom >= 0 and 0 <= self.rotate <= 180 and 0 <= self.jitter < 1,
             f"zoom must be 0 or more (0.25: 0.8 to 1.25 times), rotate 0 to 180 degrees and "
@@ -198,7 +202,11 @@ class Config(RunConfig):
         if self.class_weights and self.class_weights != "auto":
             listed_weights(self.class_weights)
         require(
-            not self.predict_flip or self.eval_only or self.predict or self.hflip or self.vflip,
+            not self.predict_flip
+            or self.eval_only
+            or self.predict
+            or self.hflip != 0
+            or self.vflip,
             "predict_flip averages over the flips of training: set hflip or vflip above 0",
         )
         tile = self.predict_tile
@@ -570,11 +578,13 @@ def resolved(cfg, data, device):
     """(cfg, class weights): cfg with what the data and the device decide, as main() trains and
     scripts/bench.py measures it, so that the two cannot drift apart. The data (load_data)
     decides num_classes, in_channels, max_batch_pixels, cache_images and eval_batch_size (0: by
-    pixels); channels_last auto is on with CUDA, off on CPUs (docs/performance.md). The loss's
-    class weights are on `device`, or None unless class_weights is set."""
+    pixels), and hflip auto: 0 where classes are mirror twins (left/right), else 0.5; channels_last
+    auto is on with CUDA, off on CPUs (docs/performance.md). The loss's class weights are on
+    `device`, or None unless class_weights is set."""
     auto = cfg.channels_last is None
     cfg = replace(
         cfg,
+        hflip=(0.0 if data.twins else 0.5) if cfg.hflip is None else cfg.hflip,
         num_classes=data.num_classes,
         in_channels=data.in_channels,
         max_batch_pixels=data.max_batch_pixels,
@@ -675,6 +685,19 @@ def imbalance_note(cfg, data):
     )
 
 
+def augmentation_note(cfg):
+    """The start-up line that says what augmentation training runs (augment()), each setting at
+    its value: 0 turns it off."""
+    running = [
+        f"{name} {getattr(cfg, name):g}"
+        for name in ("hflip", "vflip", "zoom", "rotate", "jitter", "crop_size")
+        if getattr(cfg, name)
+    ]
+    if not running:
+        return "augmentation: none (hflip, vflip, zoom, rotate, jitter and crop_size all 0)"
+    return f"augmentation: {', '.join(running)} (each off at 0)"
+
+
 def dice_note(cfg, data):
     """The start-up line that says which classes `dice` averages: all but the background, the
     class of the most training pixels unless --background names one."""
@@ -709,12 +732,13 @@ def main(cfg):
         cfg = fit_to_record(
             cfg, trained["model"], MODEL_SETTINGS, path=cfg.weights, inferred=INFERRED
         )
-    trained_flips = "h" * (cfg.hflip > 0) + "v" * (cfg.vflip > 0)  # what predict_flip may flip
-    flips = flips_to_average(cfg, trained["flips"] if trained and cfg.eval_only else trained_flips)
     data = load_data(cfg, accelerator, trained)
     auto = cfg.channels_last is None  # for the start-up line
     # Resolved before config.yaml records the settings; weights: the loss's class weights.
+    asked_hflip = cfg.hflip  # for the start-up note on mirror twins
     cfg, weights = resolved(cfg, data, accelerator.device)
+    trained_flips = "h" * (cfg.hflip > 0) + "v" * (cfg.vflip > 0)  # what predict_flip may flip
+    flips = flips_to_average(cfg, trained["flips"] if trained and cfg.eval_only else trained_flips)
     train_loader, val_loader = data.train_loader, data.val_loader
     metrics = start_logging(accelerator, cfg, NAME, checkpoint=checkpoint)
 
@@ -748,7 +772,14 @@ def main(cfg):
         f"{MODES[cfg.in_channels]} images; "
         f"{encoder}{adamw}; {norm}; {channels}; {data}; outputs to {out}/"
     )
-    for note in [dice_note(cfg, data), *data.notes, imbalance_note(cfg, data)]:
+    twins = twins_note(data.twins, data.names, asked_hflip)
+    for note in [
+        augmentation_note(cfg),
+        dice_note(cfg, data),
+        *data.notes,
+        twins,
+        imbalance_note(cfg, data),
+    ]:
         if note:
             accelerator.print(note)
 

@@ -28,7 +28,7 @@ from common.data import IMAGE_SUFFIXES, DataError, image_files, pad_to
 from common.export import OnnxModel, export_onnx
 from common.inference import predicted_classes, segment
 from common.runtime import run_serving
-from common.segmentation_data import MODES, padded, show_value
+from common.segmentation_data import MODES, padded, show_value, twins_note
 from common.tracking import overlay as painted_on
 from common.tracking import save_overlays
 from unet import (  # ADAPT: your recipe
@@ -139,9 +139,11 @@ def check_data(cfg, accelerator, count=8):
     output_dir/data_check.png. No training, no checkpoint."""
     trained = read_trained(cfg.weights)  # --weights: its classes
     data = load_data(cfg, accelerator, trained)
+    twins = twins_note(data.twins, data.names, cfg.hflip)
     cfg, _ = resolved(cfg, data, accelerator.device)  # as training resolves it
     accelerator.print(f"{NAME} data check: {MODES[data.in_channels]} images; {data}")
-    for line in [*data.table, dice_note(cfg, data), *data.notes, imbalance_note(cfg, data)]:
+    notes = [dice_note(cfg, data), *data.notes, twins, imbalance_note(cfg, data)]
+    for line in [*data.table, *notes]:
         if line:
             accelerator.print(line)
     if accelerator.is_main_process:
