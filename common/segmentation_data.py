@@ -534,26 +534,6 @@ def mirror_twins(scan, classes):
     return sorted(twins)
 
 
-def twins_note(twins, labels, hflip):
-    """The start-up line for mirror twins (mirror_twins), or None; hflip: the setting (None:
-    auto, which is 0 when there are twins)."""
-    if not twins:
-        return None
-    shown = ", ".join(f"{labels[i]}/{labels[j]}" for i, j in twins[:6])
-    more = f" ... ({len(twins)} pairs)" if len(twins) > 6 else ""
-    then = (
-        "hflip is 0 (auto; --hflip 0.5 flips anyway)"
-        if hflip is None
-        else f"--hflip {hflip:g} turns one into the other in training: leave hflip at auto"
-        if hflip
-        else "hflip 0 keeps them apart"
-    )
-    return (
-        f"note: classes {shown}{more} are mirror twins, each where the other's mirror image is "
-        f"(left and right): {then}"
-    )
-
-
 BAND_SHARE = 0.9  # a void band is on one side of at least this share of the edges between values
 
 
