@@ -654,6 +654,26 @@ def imbalance_note(cfg, data):
     )
 
 
+OVERFIT_IOU = 0.8  # overfit_batches: a class of the batches is learned at this IoU or more
+
+
+def overfit_verdict(result):
+    """The last line of an overfit_batches run: whether every class of the batches it trained and
+    evaluated on reached OVERFIT_IOU, and which did not."""
+    iou = {name: v for name, v in result["iou_per_class"].items() if v is not None}
+    low = {name: v for name, v in iou.items() if v < OVERFIT_IOU}
+    if not low:
+        return (
+            f"overfit check passed: every class of these batches at IoU {OVERFIT_IOU} or more "
+            f"(lowest {min(iou.values()):.2f})"
+        )
+    shown = ", ".join(f"{name} {v:.2f}" for name, v in sorted(low.items(), key=lambda x: x[1]))
+    return (
+        f"overfit check failed: {len(low)} of {len(iou)} classes below IoU {OVERFIT_IOU} "
+        f"({shown}): train longer (--epochs), then see docs/unet.md, Learning your classes"
+    )
+
+
 def start_up_notes(cfg, data, asked):
     """The lines under the start-up line (and the data check's): what augmentation runs, what
     dice averages, what the data suggests (a void label, mirror twins), a dominant class. asked:
@@ -854,6 +874,8 @@ def main(cfg):
             f"dice {result['dice']:.4f}, miou {result['miou']:.4f} on {result['eval_samples']} "
             f"validation images; outputs in {out}/"
         )
+        if cfg.overfit_batches:  # the check's answer: can the model learn these batches?
+            accelerator.print(overfit_verdict(result))
 
     # 7. Exit cleanly: drop what holds the process group, then close it.
     del model, optimizer, scheduler, train_loader, val_loader, data, ema

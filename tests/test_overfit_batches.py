@@ -48,6 +48,16 @@ def test_the_first_batches_of_each_process_are_what_trains_and_what_evaluates(
             assert torch.equal(got, expected[:64])
 
 
+def test_the_overfit_check_says_which_classes_it_did_not_learn(unet):
+    result = {"iou_per_class": {"background": 0.99, "seven": 0.41, "one": 0.85, "two": None}}
+    assert unet.overfit_verdict(result) == (
+        "overfit check failed: 1 of 3 classes below IoU 0.8 (seven 0.41): train longer "
+        "(--epochs), then see docs/unet.md, Learning your classes"
+    )
+    result["iou_per_class"]["seven"] = 0.8
+    assert unet.overfit_verdict(result).startswith("overfit check passed")
+
+
 @pytest.mark.slow
 def test_a_unet_memorises_a_few_images_whose_classes_differ_only_by_shape(unet, tmp_path):
     # Digits in random colours over cluttered backgrounds, each outlined by void: only its shape
@@ -83,6 +93,7 @@ def test_a_unet_memorises_a_few_images_whose_classes_differ_only_by_shape(unet, 
     iou = last["iou_per_class"]  # by class name: here, the mask values
     assert sorted(int(c) for c in iou) == sorted(set(np.unique(masks).tolist()) - {255})
     assert len(iou) >= 4 and min(iou.values()) >= 0.9, last
+    assert "overfit check passed: every class of these batches at IoU 0.8 or more" in res.output
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert (config["hflip"], config["zoom"], config["jitter"]) == (0, 0, 0)  # as they are
 
