@@ -300,10 +300,11 @@ def evaluate_with_average(model, ema, loader, accelerator):
 def settle(cfg, accelerator):
     """(cfg, train_loader, test_loader): the settings this run trains with, settled here once,
     and the data they read: this process count's share of global_batch_size (batch_size and
-    accumulation steps), no augmentation for overfit_batches, then the loaders (make_loaders)."""
+    accumulation steps), no augmentation and a constant lr for overfit_batches, then the loaders
+    (make_loaders)."""
     cfg = cfg.split_global_batch(accelerator.num_processes)
-    if cfg.overfit_batches:  # the first batches as they are: no augmentation
-        cfg = replace(cfg, shift=0)
+    if cfg.overfit_batches:  # the first batches as they are, at a constant lr
+        cfg = replace(cfg, shift=0, scheduler="step", gamma=1.0)
     return cfg, *make_loaders(cfg, accelerator.device, accelerator.num_processes)
 
 

@@ -249,14 +249,16 @@ def augment(images, masks, rand, cfg):
     return colour_jitter(images, rand[:, 8:11], cfg.jitter), masks
 
 
-# What augment() reads, each at its value that turns it off: overfit_batches trains without them.
-NO_AUGMENTATION = {
+# overfit_batches: what augment() reads, each at its value that turns it off, and the lr held
+# constant (a schedule fitted to a short run lowers it before the batches are learned).
+OVERFIT = {
     "crop_size": 0,
     "hflip": 0.0,
     "vflip": 0.0,
     "zoom": 0.0,
     "rotate": 0.0,
     "jitter": 0.0,
+    "scheduler": "constant",
 }
 
 
@@ -545,15 +547,16 @@ def settle(cfg, accelerator):
     trains and scripts/bench.py measures them (so that the two cannot drift apart), and the data
     they read. In order: this process count's share of global_batch_size (batch_size and
     accumulation steps), the model settings of --weights (trained: its record, or None), no
-    augmentation for overfit_batches, then the data (load_data) and what it decides (resolved)."""
+    augmentation and a constant lr for overfit_batches, then the data (load_data) and what it
+    decides (resolved)."""
     cfg = cfg.split_global_batch(accelerator.num_processes)
     trained = read_trained(cfg.weights)  # --weights: its classes and model settings
     if trained:
         cfg = fit_to_record(
             cfg, trained["model"], MODEL_SETTINGS, path=cfg.weights, inferred=INFERRED
         )
-    if cfg.overfit_batches:  # the first batches as they are: no augmentation
-        cfg = replace(cfg, **NO_AUGMENTATION)
+    if cfg.overfit_batches:  # the first batches as they are, at a constant lr
+        cfg = replace(cfg, **OVERFIT)
     data = load_data(cfg, accelerator, trained)
     return resolved(cfg, data, accelerator.device), data, trained
 
@@ -670,7 +673,8 @@ def overfit_verdict(result):
     shown = ", ".join(f"{name} {v:.2f}" for name, v in sorted(low.items(), key=lambda x: x[1]))
     return (
         f"overfit check failed: {len(low)} of {len(iou)} classes below IoU {OVERFIT_IOU} "
-        f"({shown}): train longer (--epochs), then see docs/unet.md, Learning your classes"
+        f"({shown}): train longer (--epochs) or at a higher --lr, then see docs/unet.md, "
+        f"Learning your classes"
     )
 
 
