@@ -3,12 +3,13 @@
     make data/shapes && python recipes/unet.py --epochs 10        # one process, the default data
     accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/unet.py --images DIR \
         --masks DIR --mask_name "{stem}_mask.png"               # your folders: docs/unet.md
-    python recipes/unet.py --predict "photos/*.jpg" --weights runs/unet/model.safetensors --overlay
+    python recipes/unet_predict.py --weights runs/unet/model.safetensors "photos/*.jpg" --overlay
 
-The accelerate config picks CPU, GPUs and fp16/bf16. Settings: the Config fields below and
-common.config's RunConfig, by `--config run.yaml` and `--field value`. This file trains;
-predict, export and the data check are unet_predict.py's. Copy these files to start your own
-recipe; `# ADAPT:` marks what to change: here, and in unet_data.py, the data.
+The accelerate config picks CPU, GPUs and fp16/bf16. Settings: the Config fields below (the
+model's in unet_model.py) and common.config's RunConfig, by `--config run.yaml` and `--field
+value`. This file trains; predict, export and the data check are unet_predict.py's, which it
+never imports. Copy these files to start your own recipe; `# ADAPT:` marks what to change: here,
+in unet_data.py (the data) and in unet_model.py (the model).
 """
 
 import sys
