@@ -19,7 +19,7 @@ Two kinds of loader need two ways, and these two hide which:
 """
 
 import torch
-from accelerate.utils import broadcast
+from accelerate.utils import broadcast, gather_object
 
 
 def evaluation_model(model, accelerator, *, bucketed):
@@ -60,6 +60,11 @@ class ExactSums:
     def totals(self):
         """{name: the job's sum}: plain numbers for scalars, tensors for the rest."""
         sums = self.sums
-        if self.bucketed:  # the one wait: every process's sums added up
-            sums = {k: self.accelerator.reduce(v, "sum") for k, v in sums.items()}
+        if self.bucketed:  # the one wait: every process's sums added up, a process that had no
+            # batch (so no sums but "samples") included: hence objects, not a reduce per name
+            sums = {}
+            for part in gather_object([{k: v.cpu() for k, v in self.sums.items()}]):
+                for k, v in part.items():
+                    v = v.to(self.accelerator.device)
+                    sums[k] = sums[k] + v if k in sums else v
         return {k: v.item() if v.dim() == 0 else v for k, v in sums.items()}

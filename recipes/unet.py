@@ -757,6 +757,7 @@ def main(cfg):
     # 3. Model, optimizer and schedule.
     settings = {k: getattr(cfg, k) for k in MODEL_SETTINGS}
     model = build_model(settings, cfg)
+    named = type(model).__name__ + (f" ({cfg.encoder} encoder)" if cfg.encoder else "")  # unwrapped
     load_weights(model, cfg.weights)  # --weights, if given
     model, norm = sync_batchnorm(model, accelerator, cfg.sync_bn)
     optimizer = make_optimizer(model, cfg.scaled_lr(accelerator.num_processes), cfg, accelerator)
@@ -773,7 +774,7 @@ def main(cfg):
     channels += " (auto)" if asked.channels_last is None else ""
     accelerator.print(
         f"{NAME}: {describe(accelerator, data.batch, cfg.global_batch_size)}; "
-        f"{MODES[cfg.in_channels]} images; {type(model).__name__}; {adamw}; {norm}; "
+        f"{MODES[cfg.in_channels]} images; {named}; {adamw}; {norm}; "
         f"{channels}; {data}; outputs to {out}/"
     )
     for note in start_up_notes(cfg, data, asked):

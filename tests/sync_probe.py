@@ -37,6 +37,7 @@ for bucketed, cache in itertools.product((False, True), (True, False)):
         num_workers=2,
         bucket_by_size=bucketed,
         cache_images=cache,
+        hflip=0.5,  # as settle() makes auto on data with no mirror twins
         vflip=0.5,
     )
     data = unet.load_data(cfg, accelerator)

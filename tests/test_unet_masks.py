@@ -449,7 +449,7 @@ def epoch_batches(unet, cfg, epoch):
     augmented as its train_one_epoch() augments them."""
     from common.accelerator import build_accelerator
 
-    data = unet.load_data(cfg, build_accelerator())
+    cfg, data, _ = unet.settle(cfg, build_accelerator())  # hflip auto settled as main() does
     # The order: the loader's first, from its own seeded generator.
     data.train_loader.dataset.epoch = epoch
     return data.reading, [unet.augment(*batch, cfg) for batch in data.train_loader]

@@ -136,6 +136,7 @@ def test_two_processes_exact_eval_count_lr_schedule_and_tensorboard_panels(shape
     )
     assert_ok(res)
     assert "2 process(es) on cpu, gloo" in res.output and "; channels_last on; " in res.output
+    assert "; RGB images; UNet; " in res.output  # the model built, not the DDP wrapping it
     # PyTorch's SyncBatchNorm has no CPU kernels; the start-up line says what each run uses.
     assert "BatchNorm per process (SyncBatchNorm needs GPUs)" in res.output
     rows = read_metrics(tmp_path)
@@ -597,7 +598,7 @@ def test_bad_settings_are_rejected(unet):
         (["--encoder", "vgg16"], "encoder must be empty (the classic U-Net) or resnet18, resnet34"),
         (["--encoder", "resnet18", "--in_channels", "1"], "a resnet18 encoder takes RGB"),
         (["--encoder_weights", "x.pth"], "encoder_weights needs an encoder: add --encoder"),
-        (["--scheduler", "step"], "scheduler must be cosine or plateau"),
+        (["--scheduler", "step"], "scheduler must be cosine, plateau, constant"),
         (["--predict", "x.png"], "predict needs weights"),
         (
             ["--bucket_by_size", "true", "--image_size", "64"],
