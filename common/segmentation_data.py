@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from common.cache import cached_tensors, read_json, write_json
 from common.checkpoint import read_record
-from common.config import ConfigError, UserError, require
+from common.config import ConfigError, UserError, require, shell_flag
 from common.data import (
     IMAGE_ERRORS,
     DataError,
@@ -416,9 +416,10 @@ def channels_of_data(in_channels, modes):
 
 def choose_classes(scan, asked, *, num_classes, fixed):
     """(MaskClasses, num_classes, notes): the classes that `asked` lists (fixed: where they come
-    from, for messages: --mask_values or a weights file), or those the masks hold, checked
+    from, for messages: --mask_values or a weights file; "" for those of a --class_names file that
+    gives each class's value, as CamVid's class_dict.csv does), or those the masks hold, checked
     against the masks and num_classes (0: the number of values). notes: lines for the start-up,
-    such as a value that looks like a void label."""
+    such as a value that looks like a void label (void_notes), unless `fixed`."""
     found, colour = scan.values, scan.colour
     ignored = set(asked.ignored)
     given = asked.values is not None
@@ -441,7 +442,7 @@ def choose_classes(scan, asked, *, num_classes, fixed):
         raise DataError(
             f"mask {found[unknown[0]][NAME]} has value {v}, which is not one of mask_values "
             f"{show_values(values, colour, most=len(values))}: fix the mask, list the value in "
-            f"--mask_values, or leave it out with --ignore_index {v}"
+            f"--mask_values, or leave it out with {shell_flag('ignore_index', v)}"
         )
     if len(values) < 2:
         only = show_value(values[0], colour) if values else "(every value ignored)"
@@ -453,7 +454,8 @@ def choose_classes(scan, asked, *, num_classes, fixed):
     num_classes = num_classes or len(values)
     if len(values) != value_count(num_classes) and given:
         raise DataError(
-            f"{fixed} gives {len(values)} mask values, which does not fit num_classes "
+            f"{fixed or '--class_names'} gives {len(values)} mask values, which does not fit "
+            f"num_classes "
             f"{num_classes}: set --num_classes"
         )
     rare = min(values, key=lambda v: found.get(v, [0])[MASKS])
@@ -490,7 +492,8 @@ def choose_classes(scan, asked, *, num_classes, fixed):
             f"--class_names gives {len(names)} names for the {len(values)} classes (mask values "
             f"{shown}): give one name per class, in class order"
         )
-    notes = [] if given else void_notes(found, values, colour)
+    # Values listed one by one, or a weights file's, are chosen: a note could only contradict them.
+    notes = [] if fixed else void_notes(found, values, colour, names=names if given else None)
     classes = MaskClasses(
         tuple(values), tuple(sorted(ignored)), asked.unlisted_ignored, colour, names
     )
@@ -535,19 +538,30 @@ def mirror_twins(scan, classes):
 
 
 BAND_SHARE = 0.9  # a void band is on one side of at least this share of the edges between values
+# The names that datasets give the class that counts for nothing (CamVid's Void, Cityscapes'
+# unlabeled), in lower case.
+VOID_NAMES = ("void", "unlabeled", "unlabelled", "ignore", "ignored")
 
 
-def void_notes(found, values, colour):
+def void_name(names):
+    """The first of `names` that is a void class's name (VOID_NAMES, in any case), or None."""
+    return next((n for n in names or () if n.strip().lower() in VOID_NAMES), None)
+
+
+def void_notes(found, values, colour, names=None):
     """A start-up note for a value found among the classes that looks like a void label: one
     that lies along the edges between the others, as Pascal VOC's 255 and the border (3) of the
     Oxford-IIIT Pet's trimaps do (on BAND_SHARE or more of the edges between two values, and on
     average at most 8 pixels wide: pixels <= 4 x edges, as a band has 2 edges along its length),
-    or VOC's 255 beside small values."""
+    or VOC's 255 beside small values, or a class named as a void class is (void_name). names:
+    the classes' names where a --class_names file gave them with their values: the note then
+    names the class as --ignore_index takes it (Void)."""
     edges = sum(stats[EDGES] for stats in found.values()) / 2  # each edge is on two values
     band = [
         v
         for v in values
         if len(values) >= 3
+        and v in found  # a class of a --class_names file may be in no mask
         and found[v][EDGES] >= BAND_SHARE * edges
         and found[v][PIXELS] <= 4 * found[v][EDGES]
     ]
@@ -564,12 +578,17 @@ def void_notes(found, values, colour):
             f"looks like a void label (the other values are {min(others)}..{max(others)}, as in "
             f"Pascal VOC)"
         )
+    elif void_name(names) is not None:
+        v = values[names.index(void_name(names))]
+        why = "is named as a void label is"
     else:
         return []
     shown = show_value(v, colour)
+    name = names[values.index(v)] if names else None
     return [
-        f"note: mask value {shown} {why}, and is a class of its own now: --ignore_index {shown} "
-        f"leaves its pixels out of the loss and the metrics"
+        f"note: mask value {shown}{f' ({name})' if name else ''} {why}, and is a class of its own "
+        f"now: {shell_flag('ignore_index', name or shown)} leaves its pixels out of the loss and "
+        f"the metrics"
     ]
 
 
@@ -916,7 +935,8 @@ def load_segmentation(
     evaluation batch, or 0: as many as hold a training batch's pixels (eval_batch_images), where
     crop_size (0: none) is the side of the square that training crops. pad_multiple: padded sides
     are multiples of it; min_size: the model's smallest side. background: the background class's
-    mask value or name (background_class)."""
+    mask value or name (background_class). With `fixed` "" (values found, or a --class_names
+    file's), the notes say which class looks like a void label (void_notes)."""
     require_one_batch_per_process(len(train_pairs), batch_size, accelerator, "the training data")
     scan = scan_pairs(accelerator, [train_pairs, val_pairs], remember=cache_decoded)
     classes, num_classes, notes = choose_classes(

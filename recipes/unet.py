@@ -500,7 +500,7 @@ def load_data(cfg, accelerator, trained=None):
         val_pairs,
         accelerator=accelerator,
         classes=mask_classes(cfg, trained),
-        fixed="--mask_values" if cfg.mask_values else cfg.weights,
+        fixed="--mask_values" if cfg.mask_values else cfg.weights if trained else "",
         num_classes=cfg.num_classes,
         in_channels=input_channels(cfg),
         image_size=image_size(cfg),

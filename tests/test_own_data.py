@@ -7,6 +7,7 @@ dataset's colours; the data check (--check_data); and MNIST's classes taken from
 import csv
 import re
 import shlex
+import subprocess
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ from common.accelerator import build_accelerator
 from common.checkpoint import read_record
 from common.config import ConfigError, parse_config
 from common.data import DataError
-from common.segmentation_data import read_class_names
+from common.segmentation_data import read_class_names, void_notes
 from unet_data import list_pairs
 
 RECIPE = "recipes/unet.py"
@@ -58,7 +59,7 @@ LAYOUTS = {
     "camvid": (
         camvid_layout,
         "train --masks {root}/train_labels --mask_name '{{stem}}_L.png' --val_images {root}/val "
-        "--val_masks {root}/val_labels --class_names {root}/class_dict.csv",
+        "--val_masks {root}/val_labels --class_names {root}/class_dict.csv --ignore_index Void",
         (58, 10),
     ),
     "carvana": (carvana_layout, "train --masks {root}/train_masks", (66, 7)),
@@ -160,8 +161,8 @@ def test_a_camvid_layout_trains_on_2_processes_with_its_class_names_and_colours(
     root = camvid_layout(shapes, tmp_path / "camvid")
     with pytest.raises(DataError) as error:
         list_pairs(unet.Config(dataset=str(root)))
-    # The flags the error names, and Void, a class of class_dict.csv, left out by its name.
-    args = [*flags_of(error.value), "--ignore_index", "Void", *TINY, "--smoke"]
+    # The flags the error names: Void, a class of class_dict.csv, is left out by its name.
+    args = [*flags_of(error.value), *TINY, "--smoke"]
     out = tmp_path / "out"
     res = launch([RECIPE, *args, "--output_dir", out], nproc=2, env=ONE_THREAD)
     assert_ok(res)
@@ -194,6 +195,47 @@ def test_a_camvid_layout_trains_on_2_processes_with_its_class_names_and_colours(
         where = (mask == CAMVID_CLASSES[name]).all(-1)
         expected = (rgb[where] + np.array(CAMVID_CLASSES[name])) // 2
         assert (np.abs(painted[where] - expected) <= 1).all(), name
+
+
+@pytest.mark.slow
+def test_a_void_class_of_class_dict_is_named_in_the_notes_and_suggestions_paste_into_bash(
+    unet, shapes, tmp_path
+):
+    # Where class_dict.csv gives the classes with their colours, Void among them, a run without
+    # --ignore_index trains Void as a class: the notes say so by its name (the masks' void along
+    # their top rows is no band between the others: its name gives it away).
+    root = camvid_layout(shapes, tmp_path / "my data" / "camvid")  # a space in the path
+    with pytest.raises(DataError) as error:
+        list_pairs(unet.Config(dataset=str(root)))
+    flags = flags_of(error.value)
+    assert flags[-4:] == ["--class_names", str(root / "class_dict.csv"), "--ignore_index", "Void"]
+    data = unet.load_data(
+        parse_config(unet.Config, [*flags[:-2], "--num_workers", "0"]), build_accelerator()
+    )
+    assert data.names[-1] == "Void" and data.notes == [
+        "note: mask value #000000 (Void) is named as a void label is, and is a class of its own "
+        "now: --ignore_index Void leaves its pixels out of the loss and the metrics"
+    ]
+    # A suggested flag survives a paste into bash: a path with a space, a colour (# starts a
+    # comment there), a mask name with braces.
+    pasted = subprocess.run(
+        ["bash", "-c", f"printf '%s\\n' {str(error.value).split('read it with ')[1]}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert pasted.stdout.splitlines() == flags and "{stem}_L.png" in flags
+    found = {  # value: masks, a mask, pixels, interior pixels, training pixels, edges
+        0x000000: [9, "a.png", 300, 0, 250, 100],  # a thin band on every edge between values
+        0x800000: [9, "a.png", 5000, 4000, 4000, 50],
+        0x008000: [9, "a.png", 5000, 4000, 4000, 50],
+    }
+    (note,) = void_notes(found, list(found), colour=True)
+    suggested = note.split("now: ")[1].split(" leaves")[0]
+    pasted = subprocess.run(
+        ["bash", "-c", f"printf '%s\\n' {suggested}"], capture_output=True, text=True, check=True
+    )
+    assert pasted.stdout.splitlines() == ["--ignore_index", "#000000"], note
 
 
 def test_check_data_prints_the_classes_and_notes_and_draws_them_without_training(
