@@ -286,15 +286,17 @@ def where_counts(codes):
 
 
 # The fields of Scan.values[v]: masks holding v, one of them, v's pixels, its interior pixels,
-# its pixels in the first (training) split, and the edges between two values that it is on.
-MASKS, NAME, PIXELS, INTERIOR, TRAIN_PIXELS, EDGES = range(6)
+# its pixels in the first (training) split, the edges between two values that it is on, and the
+# training masks holding v.
+MASKS, NAME, PIXELS, INTERIOR, TRAIN_PIXELS, EDGES, TRAIN_MASKS = range(7)
+NO_STATS = [0, "", 0, 0, 0, 0, 0]  # those of a value in no mask
 
 
 @dataclass
 class Scan:
     """What the scan of every pair found: values {mask value: [MASKS, NAME, PIXELS, INTERIOR,
-    TRAIN_PIXELS, EDGES]}, sizes: per split, (height, width) of each image in order, modes:
-    {image mode: an image of that mode}, colour: the masks hold colours, palette: the colours
+    TRAIN_PIXELS, EDGES, TRAIN_MASKS]}, sizes: per split, (height, width) of each image in order,
+    modes: {image mode: an image of that mode}, colour: the masks hold colours, palette: the colours
     (r, g, b, r, g, b, ...) of the masks' palette, if they are palette PNGs (VOC's), else None;
     where: {mask value: its training pixels in each cell of a grid on the image} (where_counts)."""
 
@@ -339,8 +341,9 @@ def scan_share(accelerator, splits):
         modes.setdefault(image.mode, getattr(image, "filename", "") or name)
         kinds.setdefault("colour" if mask.ndim == 3 else "grey", name)
         for v, (pixels, interior, edges) in mask_stats(codes).items():
-            stats = found.setdefault(v, [0, name, 0, 0, 0, 0])
+            stats = found.setdefault(v, [0, name, 0, 0, 0, 0, 0])
             stats[MASKS] += 1
+            stats[TRAIN_MASKS] += s == 0
             stats[PIXELS] += pixels
             stats[INTERIOR] += interior
             stats[TRAIN_PIXELS] += pixels if s == 0 else 0
@@ -380,8 +383,8 @@ def scan_pairs(accelerator, splits, *, remember=False):
         kinds = {**kinds_at, **kinds}
         palette = palette or palette_at
         for v, stats in found_at.items():
-            merged = values.setdefault(v, [0, stats[NAME], 0, 0, 0, 0])
-            for stat in (MASKS, PIXELS, INTERIOR, TRAIN_PIXELS, EDGES):
+            merged = values.setdefault(v, [0, stats[NAME], 0, 0, 0, 0, 0])
+            for stat in (MASKS, PIXELS, INTERIOR, TRAIN_PIXELS, EDGES, TRAIN_MASKS):
                 merged[stat] += stats[stat]
     if len(kinds) > 1:
         raise DataError(
@@ -621,20 +624,23 @@ def class_colours(scan, classes):
 
 def class_table(scan, classes):
     """Lines for the data check: each class (index, name, mask value), its share of the training
-    masks' pixels and how many masks hold it; then the ignored values, and the values no class
-    has (ignore_unlisted)."""
+    masks' pixels and how many training masks hold it; then the ignored values, and the values
+    no class has (ignore_unlisted)."""
     total = max(sum(stats[TRAIN_PIXELS] for stats in scan.values.values()), 1)
     named = classes.names is not None
     width = max(len(label) for label in classes.labels) + 2
 
     def row(head, value):
-        stats = scan.values.get(value, [0] * 6)
+        stats = scan.values.get(value, NO_STATS)
         shown = show_value(value, classes.colour)
         return (
-            f"{head:<{width + 4}}{shown:>10}{stats[TRAIN_PIXELS] / total:>17.2%}{stats[MASKS]:>8}"
+            f"{head:<{width + 4}}{shown:>10}{stats[TRAIN_PIXELS] / total:>17.2%}"
+            f"{stats[TRAIN_MASKS]:>16}"
         )
 
-    lines = [f"{'class':<{width + 4}}{'mask value':>10}{'training pixels':>17}{'masks':>8}"]
+    lines = [
+        f"{'class':<{width + 4}}{'mask value':>10}{'training pixels':>17}{'training masks':>16}"
+    ]
     for i, (label, value) in enumerate(zip(classes.labels, classes.values)):
         lines.append(row(f"{i:<3} {label if named else ''}", value))
     lines += [row("ignored", v) for v in classes.ignored if v in scan.values]
@@ -983,7 +989,7 @@ def load_segmentation(
 
     train_set, val_set = dataset(train_pairs, sizes[0], True), dataset(val_pairs, sizes[1], False)
     pin = device.type == "cuda" and not cached  # non_blocking: the copy to the GPU does not wait
-    class_pixels = [scan.values.get(v, [0] * 6)[TRAIN_PIXELS] for v in classes.values]
+    class_pixels = [scan.values.get(v, NO_STATS)[TRAIN_PIXELS] for v in classes.values]
     known = (classes, num_classes, input_size, channels, class_pixels, notes)
     known += (
         background_class(classes, class_pixels, background),

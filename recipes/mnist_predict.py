@@ -10,6 +10,7 @@ its place. A copy of the recipe copies this file too and points its one import m
 the copy (recipes/mnist.py never imports this file).
 """
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -94,8 +95,9 @@ def predict(cfg, accelerator, model, classes):
 
 def check_data(cfg, accelerator, count=32):
     """--check_data: the data read as training reads it, with the same one-line errors; then
-    each class's samples in each split, and the first `count` training images with their class
-    names in output_dir/data_check.png. No training."""
+    each class's samples in each split, and `count` training images with their class names in
+    output_dir/data_check.png, taken from each class in turn (a folder sorted by class shows
+    them all). No training."""
     train_loader, test_loader = make_loaders(cfg)
     classes = train_loader.dataset.classes
     train_y, test_y = (loader.dataset.tensors[1] for loader in (train_loader, test_loader))
@@ -111,9 +113,18 @@ def check_data(cfg, accelerator, count=32):
     if accelerator.is_main_process:
         path = Path(cfg.output_dir) / "data_check.png"
         path.parent.mkdir(parents=True, exist_ok=True)
-        x, y = train_loader.dataset.tensors[0][:count], train_y[:count]
+        picked = each_class_in_turn(train_y, count)
+        x, y = train_loader.dataset.tensors[0][picked], train_y[picked]
         save_labelled(x, [classes[i] for i in y.tolist()], path)
-        print(f"wrote {path}: the first {len(y)} training images, with their classes")
+        print(f"wrote {path}: {len(y)} training images, each class in turn, with their classes")
+
+
+def each_class_in_turn(labels, count):
+    """The indices of up to `count` samples: the first of each class, then the second of each,
+    and so on, in class order."""
+    by_class = [torch.nonzero(labels == c).flatten().tolist() for c in labels.unique().tolist()]
+    turns = itertools.zip_longest(*by_class)
+    return [i for turn in turns for i in turn if i is not None][:count]
 
 
 if __name__ == "__main__":  # mnist_predict.py --weights W "digits/*.png"

@@ -640,10 +640,12 @@ def imbalance_note(cfg, data):
         return None
     value = show_value(data.values[top], data.classes.colour)
     name = f"{data.names[top]}, " if data.classes.names else ""
+    present = sum(p > 0 for p in pixels)  # a class in no mask is left out of miou's mean
     return (
         f"note: class {top} ({name}mask value {value}) holds {share:.0%} of the training pixels: "
-        f"if the model learns it alone (miou near {1 / len(pixels):.2f}), set --class_weights "
-        f"auto, or --config {RARE_CLASSES}; --overfit_batches 1 checks that it can learn one batch"
+        f"if the model learns it alone (its IoU near {share:.2f}, the other classes' 0: miou near "
+        f"{share / present:.2f}), set --class_weights auto, or --config {RARE_CLASSES}; "
+        f"--overfit_batches 1 checks that it can learn one batch"
     )
 
 

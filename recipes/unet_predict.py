@@ -135,8 +135,8 @@ def export_inputs(cfg, record):
 def check_data(cfg, accelerator, count=8):
     """--check_data: the data read as training reads it, with the same one-line errors; then
     each class's share of the training pixels, every start-up note, and the first `count`
-    training images as the model sees them, with their masks painted on, in
-    output_dir/data_check.png. No training, no checkpoint."""
+    training images as the model sees them, with their masks painted on, and the key to the
+    classes' colours, in output_dir/data_check.png. No training, no checkpoint."""
     settled, data, _ = settle(cfg, accelerator)  # as training settles it, --weights' classes too
     accelerator.print(f"{NAME} data check: {MODES[data.in_channels]} images; {data}")
     for line in [*data.table, *start_up_notes(settled, data, cfg)]:
@@ -147,8 +147,11 @@ def check_data(cfg, accelerator, count=8):
         samples = [train_set[i][:2] for i in range(min(count, len(train_set)))]
         path = Path(cfg.output_dir) / "data_check.png"
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_overlays(samples, path, colours=data.colours, background=data.background)
-        print(f"wrote {path}: {len(samples)} training images, their classes painted on")
+        labels = [f"{i}: {name}" for i, name in enumerate(data.names)]  # a name, or a mask value
+        save_overlays(
+            samples, path, colours=data.colours, background=data.background, labels=labels
+        )
+        print(f"wrote {path}: {len(samples)} training images, their classes painted on, a key")
 
 
 # ---- New image files as model inputs, and the masks written back ----

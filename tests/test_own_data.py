@@ -11,6 +11,7 @@ import subprocess
 
 import numpy as np
 import pytest
+import torch
 from conftest import (
     ONE_THREAD,
     assert_ok,
@@ -34,6 +35,7 @@ from common.checkpoint import read_record
 from common.config import ConfigError, parse_config
 from common.data import DataError
 from common.segmentation_data import read_class_names, void_notes
+from common.tracking import paint
 from unet_data import list_pairs
 
 RECIPE = "recipes/unet.py"
@@ -253,6 +255,10 @@ def test_check_data_prints_the_classes_and_notes_and_draws_them_without_training
     assert [row.split()[:2] for row in table[1:]] == [["0", "1"], ["1", "2"], ["2", "3"]], table
     shares = [float(row.split()[2].rstrip("%")) for row in table[1:]]
     assert abs(sum(shares) - 100) < 0.05 and shares[1] == max(shares), table
+    # Each class is in every mask: 63 of the training split, which the header names (the
+    # validation masks are 10 more).
+    assert table[0].endswith("training pixels  training masks"), table
+    assert [row.split()[-1] for row in table[1:]] == ["63"] * 3, table
     # The trimap's border (3) lies between pet and background: the note that VOC's void gets.
     assert (
         "note: mask value 3 lies along the edges between the others (on 100% of them), as a void "
@@ -266,7 +272,11 @@ def test_check_data_prints_the_classes_and_notes_and_draws_them_without_training
         for x in lines
     ), res
     sheet = Image.open(out / "data_check.png")
-    assert sheet.size == (3 * 48, 8 * (48 + 4))  # 8 rows: image | overlay | mask
+    assert sheet.width == 3 * 48 and sheet.height > 8 * (48 + 4)  # 8 rows: image | overlay | mask
+    # Under them, the key: each class's colour beside its index and mask value.
+    key = np.asarray(sheet)[8 * (48 + 4) :].reshape(-1, 3)
+    painted = paint(torch.arange(3)).tolist()
+    assert all((key == colour).all(1).any() for colour in painted), painted
     assert sorted(p.name for p in out.iterdir()) == ["data_check.png"]  # nothing trained
     # With the border ignored and the pet named, dice is the pet's.
     data = unet.load_data(
@@ -312,7 +322,9 @@ def digit_folders(tiny_mnist, root, names=("cat", "dog", "emu")):
     return root
 
 
-def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(tiny_mnist, tmp_path):
+def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(
+    tiny_mnist, tmp_path, monkeypatch
+):
     data = digit_folders(tiny_mnist, tmp_path / "animals")
     out = tmp_path / "out"
     res = launch(
@@ -346,12 +358,15 @@ def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(tiny_mni
             model,
             classes,
         )
-    # The data check: each class's samples in each split, and the picture.
+    # The data check: each class's samples in each split, and the picture, of every class in
+    # turn (the folder lists them class by class).
+    drawn = []
+    monkeypatch.setattr(serving, "save_labelled", lambda x, labels, path: drawn.extend(labels))
     serving.check_data(
         parse_config(mnist.Config, ["--dataset", str(data), "--output_dir", str(tmp_path / "c")]),
         build_accelerator(),
     )
-    assert (tmp_path / "c" / "data_check.png").is_file()
+    assert drawn == ["cat", "dog", "emu"] * 10 + ["cat", "dog"], drawn
 
 
 @pytest.mark.slow
