@@ -193,7 +193,8 @@ def describe(accelerator, batch, global_batch=0):
     """One line: where and how this run trains. batch: the batch size per process, or a text
     that says what a batch is (bucketed batches). global_batch: the global_batch_size setting,
     whose split the line shows; without it, on several processes, the line says that a step
-    takes more samples than on one and which setting keeps them."""
+    takes more samples than on one, and the settings that keep this run's global batch, or that
+    of one process, on any process count."""
     precision = accelerator.mixed_precision
     if precision == "fp16" and accelerator.device.type == "cpu":
         precision = "fp16 requested, but the CPU runs fp16 configs in fp32 (use bf16 on CPU)"
@@ -210,12 +211,12 @@ def describe(accelerator, batch, global_batch=0):
             f"{steps} accumulation step(s)"
         )
     elif isinstance(batch, int):
-        per_step = batch * processes * steps
+        per_step, one = batch * processes * steps, batch * steps
         batch = f"batch {batch} per process = {per_step} per optimizer step"
-        if processes > 1:
+        if processes > 1:  # which global batch a user compares with: this run's, or 1 process's
             batch += (
-                f" ({processes} times one process's; --global_batch_size {per_step} keeps it on "
-                f"any process count)"
+                f" ({processes} times one process's: --global_batch_size {per_step} keeps this "
+                f"run's on any process count, --global_batch_size {one} trains as 1 process does)"
             )
     elif processes > 1:
         batch += (
