@@ -144,7 +144,7 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     seed: int = 0  # model init, data order and augmentation; same seed, same run
     log_every: int = 20  # optimizer steps between logged scalars; image panels at every eval
     # Predict (--predict GLOB): masks for new images with `weights`, which record the model.
-    predict_dir: str | None = None  # where the NAME_mask.png go; default output_dir/predictions
+    predict_dir: str | None = None  # where NAME_mask.png go; default: predictions/ beside weights
     overlay: bool = False  # also write NAME_overlay.png, the image with the classes painted on
     # Predict and eval_only (and the evaluation of a training run): see common/inference.py.
     predict_tile: int = 0  # run the model on overlapping tiles of this size, blended; 0: whole
