@@ -6,6 +6,7 @@ line, and closed cleanly.
     model, norm = sync_batchnorm(model, accelerator, cfg.sync_bn)  # before prepare()
     optimizer = torch.optim.AdamW(params, fused=fused_kernels(accelerator))
     accelerator.print(describe(accelerator, cfg.batch_size, global_batch=cfg.global_batch_size))
+    note = busy_cores_note(accelerator)            # torch's threads on cores that others hold
     ...
     del model, optimizer, train_loader, test_loader   # what holds the process group
     close(accelerator)
@@ -226,6 +227,27 @@ def describe(accelerator, batch, global_batch=0):
     return (
         f"{accelerator.num_processes} process(es) on {accelerator.device.type}{backend}, "
         f"precision {precision}{compiled}, {batch}"
+    )
+
+
+def busy_cores_note(accelerator):
+    """A start-up line when, on the CPU, torch runs more threads than the cores that other work
+    leaves free (the cores this process may use, less the load average of the last minute, whole
+    cores only): each parallel region then waits for its slowest thread, and one thread can train
+    several times faster (docs/performance.md, "Threads on a busy CPU"). None otherwise. The
+    thread count stays as the launcher set it: a resume on other threads would round sums in
+    another order, and differ from the run it continues."""
+    threads, processes = torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores, load = len(os.sched_getaffinity(0)), os.getloadavg()[0]
+    free = max(cores - int(load), 1)
+    if accelerator.device.type != "cpu" or threads == 1 or threads * processes <= free:
+        return None
+    each = f" in each of {processes} processes" if processes > 1 else ""
+    return (
+        f"note: torch runs {threads} threads{each} on {cores} CPU cores with a load average of "
+        f"{load:.1f}: on busy cores the threads wait for each other, and one thread per process "
+        f"can be several times faster: OMP_NUM_THREADS=1 python ..., or accelerate launch "
+        f"--num_cpu_threads_per_process 1 ... (docs/performance.md)"
     )
 
 

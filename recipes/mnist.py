@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from common.accelerator import accelerator_for, close, describe, fused_kernels
+from common.accelerator import accelerator_for, busy_cores_note, close, describe, fused_kernels
 from common.cache import cached_tensors
 from common.checkpoint import (
     load_weights,
@@ -352,6 +352,8 @@ def main(cfg):
         f"{NAME}: {describe(accelerator, cfg.batch_size, cfg.global_batch_size)}; lr {lr:g}; "
         f"{sizes}; outputs to {out}/"
     )
+    if note := busy_cores_note(accelerator):  # more torch threads than free CPU cores
+        accelerator.print(note)
 
     stored = record_metadata("classes", classes, recipe=NAME)  # what the weights files record
 

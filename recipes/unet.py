@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from common.accelerator import (
     accelerator_for,
+    busy_cores_note,
     close,
     describe,
     from_main_process,
@@ -751,6 +752,8 @@ def main(cfg):
         f"{channels}; {data}; outputs to {out}/"
     )
     for note in start_up_notes(cfg, data, asked):
+        accelerator.print(note)
+    if note := busy_cores_note(accelerator):  # more torch threads than free CPU cores
         accelerator.print(note)
 
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
