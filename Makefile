@@ -71,10 +71,10 @@ format: $(BIN)/.installed  ## ruff: format the tree and apply its safe lint fixe
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: $(BIN)/.installed  ## the fast tier: every contract the README claims, real launches (~2.5 min on 2 cores)
+test: $(BIN)/.installed  ## the fast tier: every contract the README claims, real launches (its time: docs/tests.md)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
-test-full: $(BIN)/.installed  ## every test, the fast tier and the slow one: what CI runs (~13 min on 2 cores)
+test-full: $(BIN)/.installed  ## every test, the fast tier and the slow one: what CI runs (its time: docs/tests.md)
 	$(BIN)/python -m pytest -q tests
 
 stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean exits

@@ -31,7 +31,7 @@ from common.runtime import run_serving
 from common.segmentation_data import MODES, padded, show_value
 from common.tracking import overlay as painted_on
 from common.tracking import save_overlays
-from unet import (  # ADAPT: your recipe (its model and data come with it)
+from unet import (  # ADAPT: your recipe
     NAME,
     PAD_MULTIPLE,
     Config,
