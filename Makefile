@@ -83,7 +83,7 @@ stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean e
 # MNIST, its fast preset, then the U-Net: about 2 + 2 + 5 minutes on 2 CPU cores. Unlike
 # demo-unet, the U-Net keeps torch's threads (one per core): with its default 64 base channels, a
 # training step on 2 cores takes 0.7 s with 2 threads and 1.2 s with 1. BENCH_ARGS go to all three,
-# such as BENCH_ARGS="--steps 2 --reps 1 --startup_runs 0" for a quick check that they run.
+# such as BENCH_ARGS=--quick: a few steps of each row, and the time the full bench takes.
 BENCH_ARGS ?=
 .PHONY: bench bench-startup
 bench: $(BIN)/.installed data/shapes  ## MNIST, its fast preset and U-Net: recipe loop vs compute bound vs classic loop, start-up (runs/bench/)
