@@ -458,8 +458,7 @@ def choose_classes(scan, asked, *, num_classes, fixed):
     if len(values) != value_count(num_classes) and given:
         raise DataError(
             f"{fixed or '--class_names'} gives {len(values)} mask values, which does not fit "
-            f"num_classes "
-            f"{num_classes}: set --num_classes"
+            f"num_classes {num_classes}: set --num_classes"
         )
     rare = min(values, key=lambda v: found.get(v, [0])[MASKS])
     if len(values) != value_count(num_classes):
@@ -581,9 +580,8 @@ def void_notes(found, values, colour, names=None):
             f"looks like a void label (the other values are {min(others)}..{max(others)}, as in "
             f"Pascal VOC)"
         )
-    elif void_name(names) is not None:
-        v = values[names.index(void_name(names))]
-        why = "is named as a void label is"
+    elif (named := void_name(names)) is not None:
+        v, why = values[names.index(named)], "is named as a void label is"
     else:
         return []
     shown = show_value(v, colour)
