@@ -42,6 +42,7 @@ from common.data import (
     IMAGE_ERRORS,
     DataError,
     cpus_per_process,
+    index_tensor,
     pad_to,
     require_one_batch_per_process,
     seeded_loader,
@@ -805,7 +806,7 @@ class SegmentationSet(Dataset):
         elif self.pad:  # a list of images of their own sizes
             pairs = [(self.cache[0][i], self.cache[1][i]) for i in indices]
         else:  # one gather per tensor, where the cache is
-            index = to_device(torch.as_tensor(indices), self.cache[0].device)
+            index = to_device(index_tensor(indices), self.cache[0].device)
             images = self.cache[0].index_select(0, index)
             masks = as_classes(self.cache[1].index_select(0, index))
         if self.cache is None or self.pad:
