@@ -77,10 +77,10 @@ format: $(BIN)/.installed  ## ruff: format the tree and apply its safe lint fixe
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-test: $(BIN)/.installed  ## the fast tier: every contract the README claims, real launches (~2.5 min on 2 cores)
+test: $(BIN)/.installed  ## the fast tier: every contract the README claims, real launches (its time: docs/tests.md)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
-test-full: $(BIN)/.installed  ## every test, the fast tier and the slow one: what CI runs (~13 min on 2 cores)
+test-full: $(BIN)/.installed  ## every test, the fast tier and the slow one: what CI runs (its time: docs/tests.md)
 	$(BIN)/python -m pytest -q tests
 
 stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean exits
@@ -89,7 +89,7 @@ stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean e
 # MNIST, its fast preset, then the U-Net: about 2 + 2 + 5 minutes on 2 CPU cores. Unlike
 # demo-unet, the U-Net keeps torch's threads (one per core): with its default 64 base channels, a
 # training step on 2 cores takes 0.7 s with 2 threads and 1.2 s with 1. BENCH_ARGS go to all three,
-# such as BENCH_ARGS="--steps 2 --reps 1 --startup_runs 0" for a quick check that they run.
+# such as BENCH_ARGS=--quick: a few steps of each row, and the time the full bench takes.
 BENCH_ARGS ?=
 .PHONY: bench bench-startup
 bench: $(BIN)/.installed data/shapes  ## MNIST, its fast preset and U-Net: recipe loop vs compute bound vs classic loop, start-up (runs/bench/)

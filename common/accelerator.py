@@ -6,6 +6,7 @@ line, and closed cleanly.
     model, norm = sync_batchnorm(model, accelerator, cfg.sync_bn)  # before prepare()
     optimizer = torch.optim.AdamW(params, fused=fused_kernels(accelerator))
     accelerator.print(describe(accelerator, cfg.batch_size, global_batch=cfg.global_batch_size))
+    note = busy_cores_note(accelerator)            # torch's threads on cores that others hold
     ...
     del model, optimizer, train_loader, test_loader   # what holds the process group
     close(accelerator)
@@ -193,7 +194,8 @@ def describe(accelerator, batch, global_batch=0):
     """One line: where and how this run trains. batch: the batch size per process, or a text
     that says what a batch is (bucketed batches). global_batch: the global_batch_size setting,
     whose split the line shows; without it, on several processes, the line says that a step
-    takes more samples than on one and which setting keeps them."""
+    takes more samples than on one, and the settings that keep this run's global batch, or that
+    of one process, on any process count."""
     precision = accelerator.mixed_precision
     if precision == "fp16" and accelerator.device.type == "cpu":
         precision = "fp16 requested, but the CPU runs fp16 configs in fp32 (use bf16 on CPU)"
@@ -210,12 +212,12 @@ def describe(accelerator, batch, global_batch=0):
             f"{steps} accumulation step(s)"
         )
     elif isinstance(batch, int):
-        per_step = batch * processes * steps
+        per_step, one = batch * processes * steps, batch * steps
         batch = f"batch {batch} per process = {per_step} per optimizer step"
-        if processes > 1:
+        if processes > 1:  # which global batch a user compares with: this run's, or 1 process's
             batch += (
-                f" ({processes} times one process's; --global_batch_size {per_step} keeps it on "
-                f"any process count)"
+                f" ({processes} times one process's: --global_batch_size {per_step} keeps this "
+                f"run's on any process count, --global_batch_size {one} trains as 1 process does)"
             )
     elif processes > 1:
         batch += (
@@ -225,6 +227,27 @@ def describe(accelerator, batch, global_batch=0):
     return (
         f"{accelerator.num_processes} process(es) on {accelerator.device.type}{backend}, "
         f"precision {precision}{compiled}, {batch}"
+    )
+
+
+def busy_cores_note(accelerator):
+    """A start-up line when, on the CPU, torch runs more threads than the cores that other work
+    leaves free (the cores this process may use, less the load average of the last minute, whole
+    cores only): each parallel region then waits for its slowest thread, and one thread can train
+    several times faster (docs/performance.md, "Threads on a busy CPU"). None otherwise. The
+    thread count stays as the launcher set it: a resume on other threads would round sums in
+    another order, and differ from the run it continues."""
+    threads, processes = torch.get_num_threads(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores, load = len(os.sched_getaffinity(0)), os.getloadavg()[0]
+    free = max(cores - int(load), 1)
+    if accelerator.device.type != "cpu" or threads == 1 or threads * processes <= free:
+        return None
+    each = f" in each of {processes} processes" if processes > 1 else ""
+    return (
+        f"note: torch runs {threads} threads{each} on {cores} CPU cores with a load average of "
+        f"{load:.1f}: on busy cores the threads wait for each other, and one thread per process "
+        f"can be several times faster: OMP_NUM_THREADS=1 python ..., or accelerate launch "
+        f"--num_cpu_threads_per_process 1 ... (docs/performance.md)"
     )
 
 

@@ -32,7 +32,7 @@ from accelerate.utils import gather_object, is_compiled_module
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from common.config import UserError
+from common.config import UserError, shell_flag
 from common.schedule import same_kind
 
 # What a full disk, a quota or a lost mount raise while a file is written: safetensors reports
@@ -273,7 +273,7 @@ def choose_checkpoint(resume, root, *, eval_only=False, restarted=False):
         # ones, for --resume latest and for keep_checkpoints, which would delete the new ones.
         raise UserError(
             f"{path} is older than {found[-1].name} in the same folder: to go on from it, train "
-            f"into another folder (--resume {path} --output_dir NEW_DIR)"
+            f"into another folder ({shell_flag('resume', path)} --output_dir NEW_DIR)"
         )
     return path
 

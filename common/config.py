@@ -26,6 +26,7 @@ import io
 import math
 import os
 import re
+import shlex
 import sys
 import textwrap
 import tokenize
@@ -428,6 +429,13 @@ def require_at_least(cfg, minimum, *names):
     for name in names:
         value = getattr(cfg, name)
         require(value >= minimum, f"{name} must be at least {minimum}, got {value}")
+
+
+def shell_flag(name, value):
+    """`--name value` as a message suggests it, safe to paste into a shell: a value that the
+    shell would read otherwise, such as #000000 (a comment to bash) or a path with spaces, is
+    quoted (shlex.quote)."""
+    return f"--{name} {shlex.quote(str(value))}"
 
 
 @dataclass

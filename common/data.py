@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
@@ -466,10 +467,17 @@ class TensorBatches(TensorDataset):
     the indices (sharding, shuffling, resume are unchanged), and only they are copied per step."""
 
     def __getitems__(self, indices):
-        indices = torch.as_tensor(indices)
+        indices = index_tensor(indices)
         if self.tensors[0].is_cuda:  # a plain copy to the GPU would wait for all its queued work
             indices = indices.pin_memory().to(self.tensors[0].device, non_blocking=True)
         return tuple(t.index_select(0, indices) for t in self.tensors)  # 3x t[indices] on a CPU
+
+
+def index_tensor(indices):
+    """A sampler's batch of indices (a list of ints) as an int64 tensor, by way of numpy:
+    torch.as_tensor of a Python list takes over 10 times as long, per batch (docs/performance.md,
+    "Per-step host work")."""
+    return torch.from_numpy(np.asarray(indices, dtype=np.int64))
 
 
 def class_names(split, column, where):

@@ -13,6 +13,7 @@ pattern (mask_name): "{stem}.png" (Pet's trimaps), "{stem}_segmentation.png" (IS
 "", is milesial/Pytorch-UNet's: "{stem}.*" or "{stem}_mask.*".
 """
 
+import csv
 import fnmatch
 import glob
 import os
@@ -21,7 +22,9 @@ from pathlib import Path
 
 import torch
 
+from common.config import shell_flag
 from common.data import IMAGE_SUFFIXES, DataError, TableRows, load_splits
+from common.segmentation_data import void_name
 
 DEFAULT_MASK_NAMES = ("{stem}.*", "{stem}_mask.*")
 LIST_SUFFIXES = (".txt", ".lst")  # files that list the names of a split, one per line
@@ -138,7 +141,8 @@ def missing_mask(image, found, masks, mask_name, files):
     named = [n for n in sorted(files) if is_image(n)]
     guess = mask_name_of(image.stem, named)
     hint = (
-        f"; the masks there are named like {guess.format(stem=image.stem)}: --mask_name '{guess}'"
+        f"; the masks there are named like {guess.format(stem=image.stem)}: "
+        f"{shell_flag('mask_name', guess)}"
         if guess and guess != mask_name
         else f"; the masks there are named like {named[0]}: set --mask_name"
         if named
@@ -305,8 +309,9 @@ def _split_list(root, masks, words):
 def layout_hint(root):
     """What folder `root` holds (its image folders, their file counts and types) and the flags
     that would read it: --images, --masks, --mask_name, and --val_images and --val_masks,
-    --train_list and --val_list, or --class_names, where the folder has them. Part of a line:
-    "it holds ...: read it with ..."."""
+    --train_list and --val_list, or --class_names, with --ignore_index for its void class (CamVid's
+    Void), where the folder has them. Part of a line: "it holds ...: read it with ...", each value
+    quoted where a shell needs it (shell_flag)."""
     root = Path(root)
     folders = image_folders(root)
     if not folders:
@@ -330,22 +335,28 @@ def layout_hint(root):
         )
     train = [p for p in pairs if not _is(p[0], VAL_WORDS)]
     images, masks, pattern = (train or pairs)[0]
-    flags = f"--images {root / images} --masks {root / masks}"
+    flags = f"{shell_flag('images', root / images)} {shell_flag('masks', root / masks)}"
     default = Path(pattern).suffix.lower() in IMAGE_SUFFIXES and Path(pattern).stem in (
         "{stem}",
         "{stem}_mask",
     )
-    flags += "" if default else f" --mask_name '{pattern}'"
+    flags += "" if default else f" {shell_flag('mask_name', pattern)}"
     val = [p for p in pairs if _is(p[0].name, VAL_WORDS) and p[0] != images]
     val.sort(key=lambda p: "val" not in p[0].name.lower())  # val/ before test/
     mask_stems = {Path(n).stem for n in folders[masks]}
     held = None if val else _split_list(root, mask_stems, ("val", "validation", "test"))
     if val:
-        flags += f" --val_images {root / val[0][0]} --val_masks {root / val[0][1]}"
+        flags += f" {shell_flag('val_images', root / val[0][0])}"
+        flags += f" {shell_flag('val_masks', root / val[0][1])}"
     elif held:
         trained = _split_list(held.parent, mask_stems, ("train", "trainval"))
-        flags += f" --train_list {trained}" if trained and trained.parent == held.parent else ""
-        flags += f" --val_list {held}"
-    csv = sorted(root.glob("*.csv"))
-    flags += f" --class_names {csv[0]}" if csv else ""
+        same = trained and trained.parent == held.parent
+        flags += f" {shell_flag('train_list', trained)}" if same else ""
+        flags += f" {shell_flag('val_list', held)}"
+    names = sorted(root.glob("*.csv"))
+    if names:  # name,r,g,b rows (CamVid's class_dict.csv): its void class counts for nothing
+        flags += f" {shell_flag('class_names', names[0])}"
+        with open(names[0], newline="", errors="replace") as f:
+            void = void_name(row[0] for row in csv.reader(f) if row)
+        flags += f" {shell_flag('ignore_index', void)}" if void else ""
     return f"it holds {shown}: read it with {flags}"

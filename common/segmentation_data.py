@@ -37,11 +37,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from common.cache import cached_tensors, read_json, write_json
 from common.checkpoint import read_record
-from common.config import ConfigError, UserError, require
+from common.config import ConfigError, UserError, require, shell_flag
 from common.data import (
     IMAGE_ERRORS,
     DataError,
     cpus_per_process,
+    index_tensor,
     pad_to,
     require_one_batch_per_process,
     seeded_loader,
@@ -286,15 +287,17 @@ def where_counts(codes):
 
 
 # The fields of Scan.values[v]: masks holding v, one of them, v's pixels, its interior pixels,
-# its pixels in the first (training) split, and the edges between two values that it is on.
-MASKS, NAME, PIXELS, INTERIOR, TRAIN_PIXELS, EDGES = range(6)
+# its pixels in the first (training) split, the edges between two values that it is on, and the
+# training masks holding v.
+MASKS, NAME, PIXELS, INTERIOR, TRAIN_PIXELS, EDGES, TRAIN_MASKS = range(7)
+NO_STATS = [0, "", 0, 0, 0, 0, 0]  # those of a value in no mask
 
 
 @dataclass
 class Scan:
     """What the scan of every pair found: values {mask value: [MASKS, NAME, PIXELS, INTERIOR,
-    TRAIN_PIXELS, EDGES]}, sizes: per split, (height, width) of each image in order, modes:
-    {image mode: an image of that mode}, colour: the masks hold colours, palette: the colours
+    TRAIN_PIXELS, EDGES, TRAIN_MASKS]}, sizes: per split, (height, width) of each image in order,
+    modes: {image mode: an image of that mode}, colour: the masks hold colours, palette: the colours
     (r, g, b, r, g, b, ...) of the masks' palette, if they are palette PNGs (VOC's), else None;
     where: {mask value: its training pixels in each cell of a grid on the image} (where_counts)."""
 
@@ -339,8 +342,9 @@ def scan_share(accelerator, splits):
         modes.setdefault(image.mode, getattr(image, "filename", "") or name)
         kinds.setdefault("colour" if mask.ndim == 3 else "grey", name)
         for v, (pixels, interior, edges) in mask_stats(codes).items():
-            stats = found.setdefault(v, [0, name, 0, 0, 0, 0])
+            stats = found.setdefault(v, [0, name, 0, 0, 0, 0, 0])
             stats[MASKS] += 1
+            stats[TRAIN_MASKS] += s == 0
             stats[PIXELS] += pixels
             stats[INTERIOR] += interior
             stats[TRAIN_PIXELS] += pixels if s == 0 else 0
@@ -380,8 +384,8 @@ def scan_pairs(accelerator, splits, *, remember=False):
         kinds = {**kinds_at, **kinds}
         palette = palette or palette_at
         for v, stats in found_at.items():
-            merged = values.setdefault(v, [0, stats[NAME], 0, 0, 0, 0])
-            for stat in (MASKS, PIXELS, INTERIOR, TRAIN_PIXELS, EDGES):
+            merged = values.setdefault(v, [0, stats[NAME], 0, 0, 0, 0, 0])
+            for stat in (MASKS, PIXELS, INTERIOR, TRAIN_PIXELS, EDGES, TRAIN_MASKS):
                 merged[stat] += stats[stat]
     if len(kinds) > 1:
         raise DataError(
@@ -416,9 +420,10 @@ def channels_of_data(in_channels, modes):
 
 def choose_classes(scan, asked, *, num_classes, fixed):
     """(MaskClasses, num_classes, notes): the classes that `asked` lists (fixed: where they come
-    from, for messages: --mask_values or a weights file), or those the masks hold, checked
+    from, for messages: --mask_values or a weights file; "" for those of a --class_names file that
+    gives each class's value, as CamVid's class_dict.csv does), or those the masks hold, checked
     against the masks and num_classes (0: the number of values). notes: lines for the start-up,
-    such as a value that looks like a void label."""
+    such as a value that looks like a void label (void_notes), unless `fixed`."""
     found, colour = scan.values, scan.colour
     ignored = set(asked.ignored)
     given = asked.values is not None
@@ -441,7 +446,7 @@ def choose_classes(scan, asked, *, num_classes, fixed):
         raise DataError(
             f"mask {found[unknown[0]][NAME]} has value {v}, which is not one of mask_values "
             f"{show_values(values, colour, most=len(values))}: fix the mask, list the value in "
-            f"--mask_values, or leave it out with --ignore_index {v}"
+            f"--mask_values, or leave it out with {shell_flag('ignore_index', v)}"
         )
     if len(values) < 2:
         only = show_value(values[0], colour) if values else "(every value ignored)"
@@ -453,8 +458,8 @@ def choose_classes(scan, asked, *, num_classes, fixed):
     num_classes = num_classes or len(values)
     if len(values) != value_count(num_classes) and given:
         raise DataError(
-            f"{fixed} gives {len(values)} mask values, which does not fit num_classes "
-            f"{num_classes}: set --num_classes"
+            f"{fixed or '--class_names'} gives {len(values)} mask values, which does not fit "
+            f"num_classes {num_classes}: set --num_classes"
         )
     rare = min(values, key=lambda v: found.get(v, [0])[MASKS])
     if len(values) != value_count(num_classes):
@@ -490,7 +495,8 @@ def choose_classes(scan, asked, *, num_classes, fixed):
             f"--class_names gives {len(names)} names for the {len(values)} classes (mask values "
             f"{shown}): give one name per class, in class order"
         )
-    notes = [] if given else void_notes(found, values, colour)
+    # Values listed one by one, or a weights file's, are chosen: a note could only contradict them.
+    notes = [] if fixed else void_notes(found, values, colour, names=names if given else None)
     classes = MaskClasses(
         tuple(values), tuple(sorted(ignored)), asked.unlisted_ignored, colour, names
     )
@@ -535,19 +541,30 @@ def mirror_twins(scan, classes):
 
 
 BAND_SHARE = 0.9  # a void band is on one side of at least this share of the edges between values
+# The names that datasets give the class that counts for nothing (CamVid's Void, Cityscapes'
+# unlabeled), in lower case.
+VOID_NAMES = ("void", "unlabeled", "unlabelled", "ignore", "ignored")
 
 
-def void_notes(found, values, colour):
+def void_name(names):
+    """The first of `names` that is a void class's name (VOID_NAMES, in any case), or None."""
+    return next((n for n in names or () if n.strip().lower() in VOID_NAMES), None)
+
+
+def void_notes(found, values, colour, names=None):
     """A start-up note for a value found among the classes that looks like a void label: one
     that lies along the edges between the others, as Pascal VOC's 255 and the border (3) of the
     Oxford-IIIT Pet's trimaps do (on BAND_SHARE or more of the edges between two values, and on
     average at most 8 pixels wide: pixels <= 4 x edges, as a band has 2 edges along its length),
-    or VOC's 255 beside small values."""
+    or VOC's 255 beside small values, or a class named as a void class is (void_name). names:
+    the classes' names where a --class_names file gave them with their values: the note then
+    names the class as --ignore_index takes it (Void)."""
     edges = sum(stats[EDGES] for stats in found.values()) / 2  # each edge is on two values
     band = [
         v
         for v in values
         if len(values) >= 3
+        and v in found  # a class of a --class_names file may be in no mask
         and found[v][EDGES] >= BAND_SHARE * edges
         and found[v][PIXELS] <= 4 * found[v][EDGES]
     ]
@@ -564,12 +581,16 @@ def void_notes(found, values, colour):
             f"looks like a void label (the other values are {min(others)}..{max(others)}, as in "
             f"Pascal VOC)"
         )
+    elif (named := void_name(names)) is not None:
+        v, why = values[names.index(named)], "is named as a void label is"
     else:
         return []
     shown = show_value(v, colour)
+    name = names[values.index(v)] if names else None
     return [
-        f"note: mask value {shown} {why}, and is a class of its own now: --ignore_index {shown} "
-        f"leaves its pixels out of the loss and the metrics"
+        f"note: mask value {shown}{f' ({name})' if name else ''} {why}, and is a class of its own "
+        f"now: {shell_flag('ignore_index', name or shown)} leaves its pixels out of the loss and "
+        f"the metrics"
     ]
 
 
@@ -602,20 +623,23 @@ def class_colours(scan, classes):
 
 def class_table(scan, classes):
     """Lines for the data check: each class (index, name, mask value), its share of the training
-    masks' pixels and how many masks hold it; then the ignored values, and the values no class
-    has (ignore_unlisted)."""
+    masks' pixels and how many training masks hold it; then the ignored values, and the values
+    no class has (ignore_unlisted)."""
     total = max(sum(stats[TRAIN_PIXELS] for stats in scan.values.values()), 1)
     named = classes.names is not None
     width = max(len(label) for label in classes.labels) + 2
 
     def row(head, value):
-        stats = scan.values.get(value, [0] * 6)
+        stats = scan.values.get(value, NO_STATS)
         shown = show_value(value, classes.colour)
         return (
-            f"{head:<{width + 4}}{shown:>10}{stats[TRAIN_PIXELS] / total:>17.2%}{stats[MASKS]:>8}"
+            f"{head:<{width + 4}}{shown:>10}{stats[TRAIN_PIXELS] / total:>17.2%}"
+            f"{stats[TRAIN_MASKS]:>16}"
         )
 
-    lines = [f"{'class':<{width + 4}}{'mask value':>10}{'training pixels':>17}{'masks':>8}"]
+    lines = [
+        f"{'class':<{width + 4}}{'mask value':>10}{'training pixels':>17}{'training masks':>16}"
+    ]
     for i, (label, value) in enumerate(zip(classes.labels, classes.values)):
         lines.append(row(f"{i:<3} {label if named else ''}", value))
     lines += [row("ignored", v) for v in classes.ignored if v in scan.values]
@@ -782,7 +806,7 @@ class SegmentationSet(Dataset):
         elif self.pad:  # a list of images of their own sizes
             pairs = [(self.cache[0][i], self.cache[1][i]) for i in indices]
         else:  # one gather per tensor, where the cache is
-            index = to_device(torch.as_tensor(indices), self.cache[0].device)
+            index = to_device(index_tensor(indices), self.cache[0].device)
             images = self.cache[0].index_select(0, index)
             masks = as_classes(self.cache[1].index_select(0, index))
         if self.cache is None or self.pad:
@@ -916,7 +940,8 @@ def load_segmentation(
     evaluation batch, or 0: as many as hold a training batch's pixels (eval_batch_images), where
     crop_size (0: none) is the side of the square that training crops. pad_multiple: padded sides
     are multiples of it; min_size: the model's smallest side. background: the background class's
-    mask value or name (background_class)."""
+    mask value or name (background_class). With `fixed` "" (values found, or a --class_names
+    file's), the notes say which class looks like a void label (void_notes)."""
     require_one_batch_per_process(len(train_pairs), batch_size, accelerator, "the training data")
     scan = scan_pairs(accelerator, [train_pairs, val_pairs], remember=cache_decoded)
     classes, num_classes, notes = choose_classes(
@@ -963,7 +988,7 @@ def load_segmentation(
 
     train_set, val_set = dataset(train_pairs, sizes[0], True), dataset(val_pairs, sizes[1], False)
     pin = device.type == "cuda" and not cached  # non_blocking: the copy to the GPU does not wait
-    class_pixels = [scan.values.get(v, [0] * 6)[TRAIN_PIXELS] for v in classes.values]
+    class_pixels = [scan.values.get(v, NO_STATS)[TRAIN_PIXELS] for v in classes.values]
     known = (classes, num_classes, input_size, channels, class_pixels, notes)
     known += (
         background_class(classes, class_pixels, background),

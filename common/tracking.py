@@ -156,10 +156,11 @@ def overlay(image, classes, *, colours=None, background=0):
     return torch.where((classes != background)[..., None], painted, rgb).to(torch.uint8)
 
 
-def save_overlays(samples, path, *, colours=None, background=0, height=192):
+def save_overlays(samples, path, *, colours=None, background=0, labels=(), height=192):
     """One PNG of a row per (image uint8 [C, H, W], classes [H, W]) sample: the image, the image
     with its classes painted on (overlay), and the classes alone, each row scaled to at most
-    `height` pixels high: what the model is trained on, to look at before training."""
+    `height` pixels high: what the model is trained on, to look at before training. Under them,
+    the key (legend) to the colours of the classes, whose `labels` it writes."""
     from PIL import Image
 
     rows = []
@@ -176,12 +177,37 @@ def save_overlays(samples, path, *, colours=None, background=0, height=192):
         if row.height > height:
             row = row.resize((row.width * height // row.height, height), Image.BILINEAR)
         rows.append(row)
+    void = any(bool((classes < 0).any()) for _, classes in samples)
+    rows.append(legend(labels, colours, max(r.width for r in rows), void=void))
     sheet = Image.new("RGB", (max(r.width for r in rows), sum(r.height + 4 for r in rows)))
     top = 0
     for row in rows:
         sheet.paste(row, (0, top))
         top += row.height + 4
     sheet.save(path)
+
+
+def legend(labels, colours, width, *, void=False, line=14):
+    """A PIL image of each class's colour (paint's) beside its label, as many to a line as fit
+    `width` pixels (at least one), white text on black; void: the colour of ignored pixels too."""
+    from PIL import Image, ImageDraw
+
+    painted = paint(torch.arange(len(labels)), colours).tolist()
+    keys = [*zip(painted, labels), *([(list(VOID_COLOUR), "ignored")] if void else [])]
+    placed, left, top = [], 0, 0
+    for colour, label in keys:
+        size = line + 4 + 6 * len(str(label)) + 12  # swatch, gap, text (6 pixels a character)
+        if left and left + size > width:
+            left, top = 0, top + line
+        placed.append((left, top, colour, str(label)))
+        left += size
+    sheet = Image.new("RGB", (max(width, left), top + line))
+    draw = ImageDraw.Draw(sheet)
+    for left, top, colour, label in placed:
+        swatch = [left + 1, top + 1, left + line - 2, top + line - 2]  # outlined: black shows
+        draw.rectangle(swatch, fill=tuple(colour), outline="white")
+        draw.text((left + line + 4, top + 1), label, fill="white")
+    return sheet
 
 
 def save_labelled(images, labels, path, *, columns=8, zoom=3):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from common.accelerator import accelerator_for, close, describe, fused_kernels
+from common.accelerator import accelerator_for, busy_cores_note, close, describe, fused_kernels
 from common.cache import cached_tensors
 from common.checkpoint import (
     load_weights,
@@ -86,7 +86,7 @@ class Config(RunConfig):
     data_on_device: bool = True  # keep the decoded images on the GPU and gather batches there
     # Predict (--predict "digits/*.png" --weights FILE): a CSV row per file, in eval_batch_size.
     top_k: int = 3  # the most likely classes per file, each with its probability
-    predict_csv: str = ""  # where the CSV goes; empty: output_dir/predictions.csv
+    predict_csv: str = ""  # where the CSV goes; empty: predictions.csv beside the weights
 
     def validate(self):
         super().validate()
@@ -121,14 +121,17 @@ def build_model(classes):
     return BasicNet(num_classes=len(classes))  # ADAPT: your model
 
 
-# ADAPT: your input: what the model takes, for training and predict alike.
+# ADAPT: your input: what the model takes, for training, predict and export alike.
+MODE, SIZE = "L", (28, 28)  # the PIL mode and size (width, height) of the images BasicNet takes
+
+
 def to_batch(images, names):
     """PIL images -> uint8 [N, 1, 28, 28]; a DataError names an image of another mode or size."""
     for image, name in zip(images, names):
-        if image.mode != "L" or image.size != (28, 28):
+        if image.mode != MODE or image.size != SIZE:
             raise DataError(
                 f"{name} is a {image.mode} {image.width}x{image.height} image; BasicNet takes "
-                f"28x28 greyscale ('L'): convert it or change the model"
+                f"{SIZE[0]}x{SIZE[1]} greyscale ({MODE!r}): convert it or change the model"
             )
     return torch.from_numpy(np.stack([np.asarray(image) for image in images]))[:, None]
 
@@ -350,6 +353,8 @@ def main(cfg):
         f"{NAME}: {describe(accelerator, cfg.batch_size, cfg.global_batch_size)}; lr {lr:g}; "
         f"{sizes}; outputs to {out}/"
     )
+    if note := busy_cores_note(accelerator):  # more torch threads than free CPU cores
+        accelerator.print(note)
 
     stored = record_metadata("classes", classes, recipe=NAME)  # what the weights files record
 

@@ -10,13 +10,16 @@ its place. A copy of the recipe copies this file too and points its one import m
 the copy (recipes/mnist.py never imports this file).
 """
 
+import itertools
 import sys
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from common.accelerator import accelerator_for, close
 from common.checkpoint import load_weights, read_record, record_metadata
@@ -27,7 +30,9 @@ from common.outputs import stop_together, write_csv
 from common.runtime import run_serving
 from common.tracking import save_labelled
 from mnist import (  # ADAPT: your recipe
+    MODE,
     NAME,
+    SIZE,
     Config,
     build_model,
     data_classes,
@@ -49,17 +54,39 @@ def serve(cfg):
     load_weights(model, cfg.weights)
     if cfg.predict:
         predict(cfg, accelerator, model, classes)
-    else:  # an .onnx file beside the weights (common/export.py), checked on 8 test digits
-        x = normalize(next(iter(make_loaders(cfg)[1]))[0][:8])
+    else:  # an .onnx file beside the weights (common/export.py), checked on 8 inputs
+        x, what = export_inputs(cfg, classes)
         export_onnx(
             accelerator,
             model,
-            inputs=[x, x[:3]],
+            inputs=[normalize(x), normalize(x[:3])],
             weights=cfg.weights,
             metadata=record_metadata("classes", classes, recipe=NAME),
             dynamic={0: "batch"},  # any batch size
+            what=what,
         )
     close(accelerator)
+
+
+def export_inputs(cfg, classes, count=8):
+    """(uint8 inputs [count, ...], what they are) that check an export: the first test digits of
+    --dataset, whose classes must be the model's, or without --dataset random pixels of the
+    images to_batch takes (MODE, SIZE): the weights need not come with their data, nor the
+    machine reach the hub."""
+    if cfg.dataset == Config.dataset:  # not given
+        rng = np.random.default_rng(0)
+        bands = len(Image.new(MODE, (1, 1)).getbands())
+        noise = [rng.bytes(bands * SIZE[0] * SIZE[1]) for _ in range(count)]
+        images = [Image.frombytes(MODE, SIZE, pixels) for pixels in noise]
+        return to_batch(images, ["random pixels"] * count), "random pixels: no --dataset given"
+    test_loader = make_loaders(cfg)[1]
+    if test_loader.dataset.classes != classes:
+        raise UserError(
+            f"{cfg.weights} was trained on the classes {', '.join(classes)}; {cfg.dataset} has "
+            f"{', '.join(test_loader.dataset.classes)}: give the --dataset it was trained on, or "
+            f"leave out --dataset to check the export on random pixels"
+        )
+    return next(iter(test_loader))[0][:count], f"test images of {cfg.dataset}"
 
 
 def predict(cfg, accelerator, model, classes):
@@ -87,15 +114,16 @@ def predict(cfg, accelerator, model, classes):
     header += [
         f"{column}_{i}" for i in range(2, cfg.top_k + 1) for column in ("label", "probability")
     ]
-    path = cfg.predict_csv or Path(cfg.output_dir) / "predictions.csv"
+    path = cfg.predict_csv or Path(cfg.weights).parent / "predictions.csv"  # beside the weights
     count = write_csv(accelerator, rows, path, header=header)  # gathered in order, written once
     accelerator.print(f"wrote {count} predictions to {path}")
 
 
 def check_data(cfg, accelerator, count=32):
     """--check_data: the data read as training reads it, with the same one-line errors; then
-    each class's samples in each split, and the first `count` training images with their class
-    names in output_dir/data_check.png. No training."""
+    each class's samples in each split, and `count` training images with their class names in
+    output_dir/data_check.png, taken from each class in turn (a folder sorted by class shows
+    them all). No training."""
     train_loader, test_loader = make_loaders(cfg)
     classes = train_loader.dataset.classes
     train_y, test_y = (loader.dataset.tensors[1] for loader in (train_loader, test_loader))
@@ -111,9 +139,18 @@ def check_data(cfg, accelerator, count=32):
     if accelerator.is_main_process:
         path = Path(cfg.output_dir) / "data_check.png"
         path.parent.mkdir(parents=True, exist_ok=True)
-        x, y = train_loader.dataset.tensors[0][:count], train_y[:count]
+        picked = each_class_in_turn(train_y, count)
+        x, y = train_loader.dataset.tensors[0][picked], train_y[picked]
         save_labelled(x, [classes[i] for i in y.tolist()], path)
-        print(f"wrote {path}: the first {len(y)} training images, with their classes")
+        print(f"wrote {path}: {len(y)} training images, each class in turn, with their classes")
+
+
+def each_class_in_turn(labels, count):
+    """The indices of up to `count` samples: the first of each class, then the second of each,
+    and so on, in class order."""
+    by_class = [torch.nonzero(labels == c).flatten().tolist() for c in labels.unique().tolist()]
+    turns = itertools.zip_longest(*by_class)
+    return [i for turn in turns for i in turn if i is not None][:count]
 
 
 if __name__ == "__main__":  # mnist_predict.py --weights W "digits/*.png"

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from common.accelerator import (
     accelerator_for,
+    busy_cores_note,
     close,
     describe,
     from_main_process,
@@ -145,7 +146,7 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     seed: int = 0  # model init, data order and augmentation; same seed, same run
     log_every: int = 20  # optimizer steps between logged scalars; image panels at every eval
     # Predict (--predict GLOB): masks for new images with `weights`, which record the model.
-    predict_dir: str | None = None  # where the NAME_mask.png go; default output_dir/predictions
+    predict_dir: str | None = None  # where NAME_mask.png go; default: predictions/ beside weights
     overlay: bool = False  # also write NAME_overlay.png, the image with the classes painted on
     # Predict and eval_only (and the evaluation of a training run): see common/inference.py.
     predict_tile: int = 0  # run the model on overlapping tiles of this size, blended; 0: whole
@@ -503,7 +504,7 @@ def load_data(cfg, accelerator, trained=None):
         val_pairs,
         accelerator=accelerator,
         classes=mask_classes(cfg, trained),
-        fixed="--mask_values" if cfg.mask_values else cfg.weights,
+        fixed="--mask_values" if cfg.mask_values else cfg.weights if trained else "",
         num_classes=cfg.num_classes,
         in_channels=input_channels(cfg),
         image_size=image_size(cfg),
@@ -651,10 +652,12 @@ def imbalance_note(cfg, data):
         return None
     value = show_value(data.values[top], data.classes.colour)
     name = f"{data.names[top]}, " if data.classes.names else ""
+    present = sum(p > 0 for p in pixels)  # a class in no mask is left out of miou's mean
     return (
         f"note: class {top} ({name}mask value {value}) holds {share:.0%} of the training pixels: "
-        f"if the model learns it alone (miou near {1 / len(pixels):.2f}), set --class_weights "
-        f"auto, or --config {RARE_CLASSES}; --overfit_batches 1 checks that it can learn one batch"
+        f"if the model learns it alone (its IoU near {share:.2f}, the other classes' 0: miou near "
+        f"{share / present:.2f}), set --class_weights auto, or --config {RARE_CLASSES}; "
+        f"--overfit_batches 1 checks that it can learn one batch"
     )
 
 
@@ -778,6 +781,8 @@ def main(cfg):
         f"{channels}; {data}; outputs to {out}/"
     )
     for note in start_up_notes(cfg, data, asked):
+        accelerator.print(note)
+    if note := busy_cores_note(accelerator):  # more torch threads than free CPU cores
         accelerator.print(note)
 
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.

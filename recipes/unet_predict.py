@@ -31,7 +31,7 @@ from common.runtime import run_serving
 from common.segmentation_data import MODES, padded, show_value
 from common.tracking import overlay as painted_on
 from common.tracking import save_overlays
-from unet import (  # ADAPT: your recipe (its model and data come with it)
+from unet import (  # ADAPT: your recipe
     NAME,
     PAD_MULTIPLE,
     Config,
@@ -82,7 +82,7 @@ def predict(cfg, accelerator):
     model, record = trained_model(cfg.weights, accelerator.device)
     cfg = replace(cfg, **record["model"])  # the model's settings: prepare_input as in training
     flips = flips_to_average(cfg, record["flips"])
-    out = Path(cfg.predict_dir or Path(cfg.output_dir) / "predictions")
+    out = Path(cfg.predict_dir or Path(cfg.weights).parent / "predictions")  # beside the weights
     out.mkdir(parents=True, exist_ok=True)
     files = predict_files(cfg.predict)
     batches = predict_batches(
@@ -106,8 +106,8 @@ def predict(cfg, accelerator):
 
 def export(cfg, accelerator):
     """--export onnx: the weights as an .onnx file beside them, checked against PyTorch on
-    validation images of the recipe's data, or on random pixels where there is none (no
-    --dataset, data/shapes not made: weights copied from elsewhere); common/export.py."""
+    validation images of the data that --dataset or --images names, or on random pixels of the
+    trained size without them (the weights need not come with their data); common/export.py."""
     model, record = trained_model(cfg.weights)
     cfg = replace(cfg, **record["model"])  # the model's settings: prepare_input as in training
     images, what = export_inputs(cfg, record)
@@ -123,10 +123,10 @@ def export(cfg, accelerator):
 
 
 def export_inputs(cfg, record):
-    """(inputs, what they are) that check an export (sample_images)."""
-    default = Config.dataset  # the recipe's own data, which need not be made
-    if cfg.dataset == default and not cfg.images and not Path(default).exists():
-        source = f"no --dataset, {default} is not made"
+    """(inputs, what they are) that check an export (sample_images): the data of the settings,
+    where they name some; the recipe's default data need not be the weights'."""
+    if cfg.dataset == Config.dataset and not cfg.images:  # no data named
+        source = f"no --images, and --dataset at the default {Config.dataset}"
         return sample_images(None, record, multiple=PAD_MULTIPLE, source=source)
     val_pairs = Pairs(list_pairs(cfg)[1])
     return sample_images(val_pairs, record, multiple=PAD_MULTIPLE, source=cfg.images or cfg.dataset)
@@ -135,8 +135,8 @@ def export_inputs(cfg, record):
 def check_data(cfg, accelerator, count=8):
     """--check_data: the data read as training reads it, with the same one-line errors; then
     each class's share of the training pixels, every start-up note, and the first `count`
-    training images as the model sees them, with their masks painted on, in
-    output_dir/data_check.png. No training, no checkpoint."""
+    training images as the model sees them, with their masks painted on, and the key to the
+    classes' colours, in output_dir/data_check.png. No training, no checkpoint."""
     settled, data, _ = settle(cfg, accelerator)  # as training settles it, --weights' classes too
     accelerator.print(f"{NAME} data check: {MODES[data.in_channels]} images; {data}")
     for line in [*data.table, *start_up_notes(settled, data, cfg)]:
@@ -147,8 +147,11 @@ def check_data(cfg, accelerator, count=8):
         samples = [train_set[i][:2] for i in range(min(count, len(train_set)))]
         path = Path(cfg.output_dir) / "data_check.png"
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_overlays(samples, path, colours=data.colours, background=data.background)
-        print(f"wrote {path}: {len(samples)} training images, their classes painted on")
+        labels = [f"{i}: {name}" for i, name in enumerate(data.names)]  # a name, or a mask value
+        save_overlays(
+            samples, path, colours=data.colours, background=data.background, labels=labels
+        )
+        print(f"wrote {path}: {len(samples)} training images, their classes painted on, a key")
 
 
 # ---- New image files as model inputs, and the masks written back ----

@@ -9,6 +9,7 @@
     python scripts/bench.py --recipe unet --dataset DIR --image_size 256 --batch_size 32  # real
     python scripts/bench.py --recipe unet --loader "" "--num_workers 4"  # the data path, no model
     python scripts/bench.py --tiny_model --steps 30 --startup_runs 0   # MNIST's host work per step
+    python scripts/bench.py --recipe unet --quick    # the rows in seconds, and the full one's time
     accelerate launch --config_file accelerate_configs/bf16.yaml --num_processes 1 scripts/bench.py
 
 One process trains the same model (the recipe's own class, optimizer, schedule, batch size and
@@ -48,6 +49,12 @@ variant: a step is then nearly all host work, as BasicNet's is on a GPU, so the 
 work per step over the bound's shows as `recipe_minus_bound_us_per_step` (reported for every
 run: the median over rounds of the two variants' seconds per step apart, in microseconds).
 
+`--quick` gives the recipe, bound and classic rows (the classic loop without workers) in seconds
+to a minute: QUICK_STEPS steps a repetition, one warm-up and one measured repetition of each, no
+start-up launches (unless --steps, --reps or --startup_runs say otherwise); then the time that
+the full bench would take here, from the seconds per step measured: each variant's warm-up and
+repetitions of whole epochs, on top of this run's own set-up, the start-up launches apart.
+
 `--also` (U-Net) adds the recipe with its `channels_last` setting and/or with the model
 compiled as the accelerate config's `dynamo_backend: INDUCTOR` compiles it (torch.compile after
 prepare()), to the same rounds; the report gives each one's speed over the plain recipe's.
@@ -77,6 +84,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_tools/, beside this file
@@ -107,13 +115,39 @@ RECIPES = {
     "mnist": (bench_mnist, {"dataset": "data/mnist_sample", "steps": 0, "reps": 7}),
     "unet": (bench_unet, {"dataset": "data/shapes", "steps": 0, "reps": 3}),
 }
+FULL_STARTUP_RUNS = 3  # the recipe launches a full bench times
+# --quick: steps per repetition (a U-Net step is 0.1-1 s on 2 CPU cores), the one classic loop.
+QUICK_STEPS = {"mnist": 20, "unet": 3}
+QUICK = {"reps": 1, "startup_runs": 0}
+QUICK_VARIANTS = ("recipe", "bound", "classic_w0")
+
+
+def full_bench_estimate(args, info, results, variants, elapsed):
+    """The seconds that the bench without --quick would take here, start-up launches apart: this
+    run's `elapsed` seconds (set-ups, warm-ups, its rounds), plus the steps that the full one
+    runs beyond them (a warm-up and the recipe's default reps of whole epochs, for every variant
+    in `variants`), each at the seconds per step that its variant measured (a classic loop with
+    workers at the one without)."""
+    reps, epoch = RECIPES[args.recipe][1]["reps"], info["steps_per_epoch"]
+    per_step = {name: min(res["seconds"]) / info["steps_per_rep"] for name, res in results.items()}
+    more = 0.0
+    for name in variants:
+        ran = (args.warmup + args.reps) * info["steps_per_rep"] if name in results else 0
+        step = per_step.get(name, per_step["classic_w0"])
+        more += max((args.warmup + reps) * epoch - ran, 0) * step
+    return elapsed + more
 
 
 def run_training(args, accelerator, bench, workdir):
     """The recipe, bound and classic variants in interleaved rounds, then the timed start-ups."""
     device = accelerator.device
     load_before = os.getloadavg()
+    started = time.perf_counter()
     info, variants = bench(args, accelerator)
+    every = list(variants)  # what the full bench runs
+    if args.quick:
+        kept = [*QUICK_VARIANTS, *(k for k in every if k.startswith("recipe_"))]  # and --also's
+        variants = {k: v for k, v in variants.items() if k in kept}
     print(
         f"{args.recipe}{' ' + args.config if args.config else ''}: {info['steps_per_rep']} steps "
         f"= {info['samples_per_rep']} samples per repetition, {args.warmup} warm-up + "
@@ -139,6 +173,7 @@ def run_training(args, accelerator, bench, workdir):
     results = measure(variants, device, args.warmup, args.reps)
     if flops:
         peaks.append(matmul_peak(device, dtype))  # again: the less disturbed of the two counts
+    elapsed = time.perf_counter() - started
     startup = []
     if args.startup_runs:
         print(f"  launching the recipe {args.startup_runs} time(s) to time start-up", flush=True)
@@ -208,6 +243,11 @@ def run_training(args, accelerator, bench, workdir):
     }
     if startup:
         report["startup_median_s"] = statistics.median(s["to_first_step_s"] for s in startup)
+    if args.quick:
+        report["quick_s"] = round(elapsed, 1)
+        report["full_bench_estimate_s"] = round(
+            full_bench_estimate(args, info, results, every, elapsed), 1
+        )
     if flops:
         peak = flop_rates(results, flops, peaks)
         report["matmul_peak_tflops"] = {
@@ -268,6 +308,15 @@ def run_training(args, accelerator, bench, workdir):
         notes.append(
             f"{flops / 1e9:.1f} GFLOP per sample (forward + backward); matrix-product "
             f"peak {peak:.3g} TFLOP/s in {peak_name(device, dtype)}"
+        )
+    if args.quick:
+        reps = RECIPES[args.recipe][1]["reps"]
+        notes.append(
+            f"quick: {report['quick_s']:.0f} s for {info['steps_per_rep']} steps a repetition; "
+            f"the full bench ({len(every)} variants, 1 warm-up + {reps} repetitions of "
+            f"{info['steps_per_epoch']} steps each, {FULL_STARTUP_RUNS} start-up launches) "
+            f"would take about {report['full_bench_estimate_s'] / 60:.1f} min here, the "
+            f"launches apart"
         )
     write_report(args.json, report, header + ["what"], rows, notes)
 
@@ -428,7 +477,11 @@ def main():
     p.add_argument(
         "--threads", type=int, default=torch.get_num_threads(), help="torch threads, all variants"
     )
-    p.add_argument("--startup_runs", type=int, default=3, help="recipe launches to time (0: skip)")
+    p.add_argument(
+        "--startup_runs",
+        type=int,
+        help=f"recipe launches to time (0: skip; default {FULL_STARTUP_RUNS}, --quick 0)",
+    )
     p.add_argument(
         "--json",
         help="where to write the results (default runs/bench/<recipe>.json, "
@@ -460,14 +513,24 @@ def main():
         help="MNIST: one Linear layer in place of BasicNet: a step is nearly all host work",
     )
     p.add_argument(
+        "--quick",
+        action="store_true",
+        help="recipe, bound and classic rows of a few steps each, and the time the full bench "
+        "takes (see above)",
+    )
+    p.add_argument(
         "--startup_cache",
         action="store_true",
         help="MNIST: only time start-up, a first and a second launch on an empty "
         "datasets cache (see above)",
     )
     args = p.parse_args()
+    if args.quick and (args.loader is not None or args.startup_cache):
+        p.error("--quick times the recipe, bound and classic rows: not --loader, --startup_cache")
     bench, defaults = RECIPES[args.recipe]
-    for key, value in defaults.items():  # what the command line left out
+    if args.quick:  # what the command line leaves out, before the recipe's defaults
+        defaults = {**defaults, "steps": QUICK_STEPS[args.recipe], **QUICK}
+    for key, value in {"startup_runs": FULL_STARTUP_RUNS, **defaults}.items():  # the rest
         if getattr(args, key) is None:
             setattr(args, key, value)
     name = Path(args.config).stem if args.config else args.recipe
@@ -489,6 +552,7 @@ def main():
         p.error("--tiny_model is for --recipe mnist")
     if args.loader is not None and args.recipe != "unet":
         p.error("--loader is for --recipe unet")
+
     args.loader = [""] if args.loader == [] else args.loader
 
     torch.set_num_threads(args.threads)

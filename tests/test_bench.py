@@ -138,6 +138,7 @@ def test_the_unet_bench_measures_the_settings_that_main_trains_with(shapes, tmp_
         image_size=None,
         batch_size=None,
         also=[],
+        quick=False,
     )
     info, _ = bench_unet(bench_args, build_accelerator())
     # What the bench sets itself: a run as long as its repetitions, no checkpoint, no smoke.
@@ -145,3 +146,27 @@ def test_the_unet_bench_measures_the_settings_that_main_trains_with(shapes, tmp_
     measured = {k: v for k, v in info["settings"].items() if k not in own}
     assert measured == {k: v for k, v in trained.items() if k not in own}
     assert measured["channels_last"] is False and measured["eval_batch_size"] == 4
+
+
+@pytest.mark.slow
+def test_quick_gives_the_three_rows_and_the_full_benchs_time(tiny_mnist, tmp_path):
+    # --quick: a few steps of the recipe, the bound and the classic loop without workers, no
+    # start-up launch, and the time the full bench would take: this run's plus the steps it
+    # adds (every variant's warm-up and 7 repetitions of whole epochs) at the measured pace.
+    out = tmp_path / "quick.json"
+    args = ["scripts/bench.py", "--quick", "--dataset", tiny_mnist, "--threads", 1, "--json", out]
+    res = launch(args, launcher="python")
+    assert_ok(res)
+    report = json.loads(out.read_text())
+    assert list(report["variants"]) == ["recipe", "bound", "classic_w0"]
+    assert report["reps"] == 1 and report["startup"] == [] and report["steps_per_epoch"] == 4
+    assert report["steps_per_rep"] == 4  # QUICK_STEPS, at most an epoch of 256 digits
+    step = {n: min(v["seconds"]) / 4 for n, v in report["variants"].items()}
+    step["classic_w1"] = step["classic_w0"]  # not run: taken at the pace of the one without
+    more = sum(
+        (1 + 7) * 4 * s - (2 * 4 * s if n in report["variants"] else 0) for n, s in step.items()
+    )
+    assert report["full_bench_estimate_s"] == pytest.approx(report["quick_s"] + more, abs=0.2)
+    assert "the full bench (4 variants, 1 warm-up + 7 repetitions of 4 steps each, 3 start-up " in (
+        res.output
+    ), res

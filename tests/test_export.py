@@ -211,7 +211,7 @@ def test_unet_export_without_data_checks_random_inputs_of_the_stored_size(unet_w
     stored = read_trained(unet_weights[1])
     stored["input_size"] = None
     save_file(load_file(unet_weights[1]), native, record_metadata("segmentation", stored))
-    # Run where no data/shapes is, as a user who copied only the weights.
+    # Run as a user who copied only the weights.
     res = subprocess.run(
         [sys.executable, REPO / UNET, "--export", "onnx", "--weights", native],
         cwd=tmp_path,
@@ -224,7 +224,7 @@ def test_unet_export_without_data_checks_random_inputs_of_the_stored_size(unet_w
     path, worst, shapes, what = WROTE.search(output).groups()
     assert path == str(native.with_suffix(".onnx")) and float(worst) <= 1e-4, output
     assert shapes.split(", ") == ["4x3x64x64", "1x3x80x96"]
-    assert what == "random pixels: no --dataset, data/shapes is not made"
+    assert what == "random pixels: no --images, and --dataset at the default data/shapes"
 
 
 def hide(tmp_path, package):
@@ -343,10 +343,13 @@ def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights, tmp_pa
         x, y = (unet.prepare_input(t, cfg) for t in images)
         assert (x.shape, y.shape) == (first, second) and what == f"images of {data}"
         assert x.dtype == torch.float32 and 0 <= x.min() < x.max() <= 1
-    # No --dataset where data/shapes is not made: random pixels of the size the weights store.
+    # No --dataset or --images: random pixels of the size the weights store, also where the
+    # recipe's default data, data/shapes, is made (it need not be what the weights learned).
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "shapes").symlink_to(data)
     weights = read_trained(unet_weights[1])
     images, what = serving.export_inputs(parse_config(unet.Config, []), weights)
     assert [tuple(t.shape) for t in images] == [(4, 3, 48, 48), (1, 3, 64, 80)]
     assert images[0].dtype == torch.uint8
-    assert what == "random pixels: no --dataset, data/shapes is not made"
+    assert what == "random pixels: no --images, and --dataset at the default data/shapes"

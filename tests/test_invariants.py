@@ -51,6 +51,28 @@ def test_a_prepared_optimizer_reads_its_zero_grad_signature_once(monkeypatch):
     assert sum(getattr(fn, "__name__", "") == "zero_grad" for fn in read) == 1
 
 
+@pytest.mark.slow
+def test_a_batch_of_indices_becomes_a_tensor_without_torch_as_tensor_of_a_list(monkeypatch):
+    # torch.as_tensor of the sampler's list of 64 ints took 35-45 us a batch on a loaded core,
+    # numpy's 3 (docs/performance.md, "Per-step host work"); the batch is the same.
+    import torch
+
+    from common.data import TensorBatches, seeded_loader
+
+    images = torch.arange(100, dtype=torch.uint8).view(100, 1, 1, 1).repeat(1, 1, 2, 2)
+    labels = torch.arange(100)  # each sample's row
+    loader = seeded_loader(TensorBatches(images, labels), 16, shuffle=True, seed=0)
+    calls = []
+    as_tensor = torch.as_tensor
+    monkeypatch.setattr(torch, "as_tensor", lambda *a, **k: calls.append(a) or as_tensor(*a, **k))
+    rows = []
+    for x, y in loader:
+        assert torch.equal(x, images[y]) and y.dtype == torch.int64
+        rows += y.tolist()
+    assert sorted(rows) == list(range(100)) and rows != sorted(rows)  # each once, shuffled
+    assert not [a for a in calls if isinstance(a[0], list)], calls[:1]
+
+
 def test_stop_signals_are_caught_only_once_the_recipe_says_so(tmp_path, monkeypatch):
     import os
     import signal

@@ -90,8 +90,9 @@ def test_two_process_ddp_exact_eval_count_and_a_clean_exit_with_workers(tiny_mni
     assert "2 process(es) on cpu, gloo" in res.output
     # A step of 2 processes takes twice one process's samples: the start-up says so, and how not.
     assert (
-        "batch 16 per process = 32 per optimizer step (2 times one process's; "
-        "--global_batch_size 32 keeps it on any process count)" in res.output
+        "batch 16 per process = 32 per optimizer step (2 times one process's: "
+        "--global_batch_size 32 keeps this run's on any process count, --global_batch_size 16 "
+        "trains as 1 process does)" in res.output
     )
     (row,) = read_metrics(tmp_path)
     assert row["world_size"] == 2 and row["eval_samples"] == N_TEST and row["step"] == 5

@@ -153,3 +153,41 @@ def test_a_bad_image_in_rank_1s_share_is_one_line_from_rank_0(
     two = launch(args, nproc=2)  # rank 0 says rank 1's problem, once
     assert error_lines(two) == [line + " or change the model"], two
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_predictions_and_an_export_follow_the_weights_not_the_data(
+    mnist_checkpoint, tiny_mnist, tmp_path, capsys
+):
+    from common.accelerator import build_accelerator
+
+    mnist, serving = load_recipe("mnist"), load_recipe("mnist_predict")
+    folder = tmp_path / "model-a"
+    folder.mkdir()
+    weights = folder / "model.safetensors"
+    weights.write_bytes((mnist_checkpoint / "model.safetensors").read_bytes())
+    # The CSV goes beside the weights, so that two models never overwrite each other's.
+    paths = write_digits(tiny_mnist, tmp_path / "digits", count=3)
+    cfg = parse_config(mnist.Config, ["--predict", str(paths[0]), "--weights", str(weights)])
+    serving.predict(cfg, build_accelerator(), mnist.BasicNet(num_classes=10), mnist_classes())
+    assert len(read_csv(folder / "predictions.csv")) == 2
+    # Export without --dataset, where the hub cannot be reached (conftest's HF_ENDPOINT): the
+    # check runs on random pixels of the model's input, and says so.
+    serving.serve(parse_config(mnist.Config, ["--export", "onnx", "--weights", str(weights)]))
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith(f"wrote {weights.with_suffix('.onnx')}: ") and line.endswith(
+        "on inputs of 8x1x28x28, 3x1x28x28 (random pixels: no --dataset given)"
+    ), line
+    # A dataset whose classes are not the weights': one line that names both and the fix.
+    cfg = parse_config(mnist.Config, ["--dataset", str(tiny_mnist), "--weights", str(weights)])
+    with pytest.raises(UserError) as error:
+        serving.export_inputs(cfg, ["cat", "dog", "emu"])
+    assert str(error.value) == (
+        f"{weights} was trained on the classes cat, dog, emu; {tiny_mnist} has "
+        f"{', '.join(mnist_classes())}: give the --dataset it was trained on, or leave out "
+        f"--dataset to check the export on random pixels"
+    )
+
+
+def mnist_classes():
+    return [str(i) for i in range(10)]

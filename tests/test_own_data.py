@@ -7,9 +7,11 @@ dataset's colours; the data check (--check_data); and MNIST's classes taken from
 import csv
 import re
 import shlex
+import subprocess
 
 import numpy as np
 import pytest
+import torch
 from conftest import (
     ONE_THREAD,
     assert_ok,
@@ -32,7 +34,8 @@ from common.accelerator import build_accelerator
 from common.checkpoint import read_record
 from common.config import ConfigError, parse_config
 from common.data import DataError
-from common.segmentation_data import read_class_names
+from common.segmentation_data import read_class_names, void_notes
+from common.tracking import paint
 from unet_data import list_pairs
 
 RECIPE = "recipes/unet.py"
@@ -58,7 +61,7 @@ LAYOUTS = {
     "camvid": (
         camvid_layout,
         "train --masks {root}/train_labels --mask_name '{{stem}}_L.png' --val_images {root}/val "
-        "--val_masks {root}/val_labels --class_names {root}/class_dict.csv",
+        "--val_masks {root}/val_labels --class_names {root}/class_dict.csv --ignore_index Void",
         (58, 10),
     ),
     "carvana": (carvana_layout, "train --masks {root}/train_masks", (66, 7)),
@@ -160,8 +163,8 @@ def test_a_camvid_layout_trains_on_2_processes_with_its_class_names_and_colours(
     root = camvid_layout(shapes, tmp_path / "camvid")
     with pytest.raises(DataError) as error:
         list_pairs(unet.Config(dataset=str(root)))
-    # The flags the error names, and Void, a class of class_dict.csv, left out by its name.
-    args = [*flags_of(error.value), "--ignore_index", "Void", *TINY, "--smoke"]
+    # The flags the error names: Void, a class of class_dict.csv, is left out by its name.
+    args = [*flags_of(error.value), *TINY, "--smoke"]
     out = tmp_path / "out"
     res = launch([RECIPE, *args, "--output_dir", out], nproc=2, env=ONE_THREAD)
     assert_ok(res)
@@ -196,6 +199,47 @@ def test_a_camvid_layout_trains_on_2_processes_with_its_class_names_and_colours(
         assert (np.abs(painted[where] - expected) <= 1).all(), name
 
 
+@pytest.mark.slow
+def test_a_void_class_of_class_dict_is_named_in_the_notes_and_suggestions_paste_into_bash(
+    unet, shapes, tmp_path
+):
+    # Where class_dict.csv gives the classes with their colours, Void among them, a run without
+    # --ignore_index trains Void as a class: the notes say so by its name (the masks' void along
+    # their top rows is no band between the others: its name gives it away).
+    root = camvid_layout(shapes, tmp_path / "my data" / "camvid")  # a space in the path
+    with pytest.raises(DataError) as error:
+        list_pairs(unet.Config(dataset=str(root)))
+    flags = flags_of(error.value)
+    assert flags[-4:] == ["--class_names", str(root / "class_dict.csv"), "--ignore_index", "Void"]
+    data = unet.load_data(
+        parse_config(unet.Config, [*flags[:-2], "--num_workers", "0"]), build_accelerator()
+    )
+    assert data.names[-1] == "Void" and data.notes == [
+        "note: mask value #000000 (Void) is named as a void label is, and is a class of its own "
+        "now: --ignore_index Void leaves its pixels out of the loss and the metrics"
+    ]
+    # A suggested flag survives a paste into bash: a path with a space, a colour (# starts a
+    # comment there), a mask name with braces.
+    pasted = subprocess.run(
+        ["bash", "-c", f"printf '%s\\n' {str(error.value).split('read it with ')[1]}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert pasted.stdout.splitlines() == flags and "{stem}_L.png" in flags
+    found = {  # value: masks, a mask, pixels, interior pixels, training pixels, edges
+        0x000000: [9, "a.png", 300, 0, 250, 100],  # a thin band on every edge between values
+        0x800000: [9, "a.png", 5000, 4000, 4000, 50],
+        0x008000: [9, "a.png", 5000, 4000, 4000, 50],
+    }
+    (note,) = void_notes(found, list(found), colour=True)
+    suggested = note.split("now: ")[1].split(" leaves")[0]
+    pasted = subprocess.run(
+        ["bash", "-c", f"printf '%s\\n' {suggested}"], capture_output=True, text=True, check=True
+    )
+    assert pasted.stdout.splitlines() == ["--ignore_index", "#000000"], note
+
+
 def test_check_data_prints_the_classes_and_notes_and_draws_them_without_training(
     unet, shapes, tmp_path
 ):
@@ -211,6 +255,10 @@ def test_check_data_prints_the_classes_and_notes_and_draws_them_without_training
     assert [row.split()[:2] for row in table[1:]] == [["0", "1"], ["1", "2"], ["2", "3"]], table
     shares = [float(row.split()[2].rstrip("%")) for row in table[1:]]
     assert abs(sum(shares) - 100) < 0.05 and shares[1] == max(shares), table
+    # Each class is in every mask: 63 of the training split, which the header names (the
+    # validation masks are 10 more).
+    assert table[0].endswith("training pixels  training masks"), table
+    assert [row.split()[-1] for row in table[1:]] == ["63"] * 3, table
     # The trimap's border (3) lies between pet and background: the note that VOC's void gets.
     assert (
         "note: mask value 3 lies along the edges between the others (on 100% of them), as a void "
@@ -224,7 +272,11 @@ def test_check_data_prints_the_classes_and_notes_and_draws_them_without_training
         for x in lines
     ), res
     sheet = Image.open(out / "data_check.png")
-    assert sheet.size == (3 * 48, 8 * (48 + 4))  # 8 rows: image | overlay | mask
+    assert sheet.width == 3 * 48 and sheet.height > 8 * (48 + 4)  # 8 rows: image | overlay | mask
+    # Under them, the key: each class's colour beside its index and mask value.
+    key = np.asarray(sheet)[8 * (48 + 4) :].reshape(-1, 3)
+    painted = paint(torch.arange(3)).tolist()
+    assert all((key == colour).all(1).any() for colour in painted), painted
     assert sorted(p.name for p in out.iterdir()) == ["data_check.png"]  # nothing trained
     # With the border ignored and the pet named, dice is the pet's.
     data = unet.load_data(
@@ -270,7 +322,9 @@ def digit_folders(tiny_mnist, root, names=("cat", "dog", "emu")):
     return root
 
 
-def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(tiny_mnist, tmp_path):
+def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(
+    tiny_mnist, tmp_path, monkeypatch
+):
     data = digit_folders(tiny_mnist, tmp_path / "animals")
     out = tmp_path / "out"
     res = launch(
@@ -304,12 +358,15 @@ def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(tiny_mni
             model,
             classes,
         )
-    # The data check: each class's samples in each split, and the picture.
+    # The data check: each class's samples in each split, and the picture, of every class in
+    # turn (the folder lists them class by class).
+    drawn = []
+    monkeypatch.setattr(serving, "save_labelled", lambda x, labels, path: drawn.extend(labels))
     serving.check_data(
         parse_config(mnist.Config, ["--dataset", str(data), "--output_dir", str(tmp_path / "c")]),
         build_accelerator(),
     )
-    assert (tmp_path / "c" / "data_check.png").is_file()
+    assert drawn == ["cat", "dog", "emu"] * 10 + ["cat", "dog"], drawn
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ for grey images their own loss): each changes only the lines the README counts, 
 
 import contextlib
 import csv
+import shutil
 import subprocess
 import uuid
 
@@ -406,3 +407,45 @@ def test_a_unet_copy_adapted_to_a_public_layout_changes_only_its_data_part(
         data = copy.load_data(cfg, build_accelerator())
     assert changed["unet"] == 1 and changed["unet_predict"] == 1  # the imports, marked # ADAPT
     assert classes in str(data) and len(data.val_loader.dataset) == 10, data
+
+
+@pytest.mark.slow
+def test_copies_with_a_long_name_pass_the_lint_once_formatted(tmp_path):
+    # README: copy the files, point the imports marked ADAPT at the copies, `make format`, then
+    # `make lint` passes, for a name of up to LONG_NAME characters: the lines a copy renames keep
+    # their comments short enough.
+    name = (
+        "my_" + "aerial_segmentation_of_farm_fields_and_roads_in_the_spring_rain"[: LONG_NAME - 3]
+    )
+    assert len(name) == LONG_NAME and name.isidentifier()
+    shutil.copytree(REPO / "recipes", tmp_path / "recipes")
+    shutil.copytree(REPO / "common", tmp_path / "common")
+    shutil.copy(REPO / "pyproject.toml", tmp_path)
+    recipes = tmp_path / "recipes"
+    renames = {  # a copy's file: the imports it points at its neighbours
+        "unet": {"unet_model": f"{name}_model", "unet_data": f"{name}_data"},
+        "unet_predict": {"unet": name},
+        "unet_model": {},
+        "unet_data": {},
+    }
+    for original, imports in renames.items():
+        text = (recipes / f"{original}.py").read_text()
+        for module, copy in imports.items():
+            text = text.replace(f"\nfrom {module} import", f"\nfrom {copy} import")
+        (recipes / f"{original.replace('unet', name)}.py").write_text(text)
+    mnist = f"{name[:-4]}mnst"  # a classifier's copy, of the same length
+    (recipes / f"{mnist}.py").write_text((recipes / "mnist.py").read_text())
+    (recipes / f"{mnist}_predict.py").write_text(
+        (recipes / "mnist_predict.py")
+        .read_text()
+        .replace("\nfrom mnist import", f"\nfrom {mnist} import")
+    )
+    ruff = str(BIN / "ruff")
+    for command in (["format", "."], ["check", "--fix", "."]):  # make format
+        subprocess.run([ruff, *command], cwd=tmp_path, capture_output=True, check=False)
+    for command in (["format", "--check", "."], ["check", "."]):  # make lint
+        res = subprocess.run([ruff, *command], cwd=tmp_path, capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout + res.stderr
+
+
+LONG_NAME = 59  # README, Make your own recipe: a copy's name of up to this many characters

@@ -37,6 +37,21 @@ RECIPE = "recipes/unet.py"
 
 
 @pytest.mark.slow
+def test_predictions_go_beside_the_weights(trained_unet, shapes, unet, tmp_path):
+    # Two models predict into their own folders, not both into output_dir/predictions.
+    from common.accelerator import build_accelerator
+
+    out, _ = trained_unet
+    folder = tmp_path / "model-a"
+    folder.mkdir()
+    shutil.copy(out / "model.safetensors", folder)
+    image = sorted((shapes / "imgs").glob("*.png"))[0]
+    args = ["--predict", str(image), "--weights", str(folder / "model.safetensors")]
+    load_recipe("unet_predict").predict(parse_config(unet.Config, args), build_accelerator())
+    assert [p.name for p in (folder / "predictions").iterdir()] == [f"{image.stem}_mask.png"]
+
+
+@pytest.mark.slow
 def test_predict_writes_masks_at_the_original_size_in_mask_values(trained_unet, shapes, tmp_path):
     inputs = tmp_path / "in"
     inputs.mkdir()

@@ -5,13 +5,14 @@ import torch
 import torch.nn.functional as F
 
 
-def last_batches(train_loader, steps, dataset):
-    """The epoch's length in batches, and the sizes of its last `steps` batches (0: all of them).
+def last_batches(train_loader, steps, dataset, *, at_most=False):
+    """The epoch's length in batches, and the sizes of its last `steps` batches (0: all of them;
+    at_most: up to `steps`, as --quick asks, else more than an epoch stops with an error).
 
     The recipe and the bound train on batches of these sizes: the recipe reaches them through
     skip_first_batches, its own mid-epoch resume path."""
     epoch_steps = len(train_loader)
-    steps = steps or epoch_steps
+    steps = min(steps, epoch_steps) if at_most else steps or epoch_steps
     if steps > epoch_steps:
         raise SystemExit(
             f"error: --steps {steps} is more than one epoch ({epoch_steps} steps) of {dataset}"

@@ -53,7 +53,7 @@ def bench_mnist(args, accelerator):
     train_loader, _ = mnist.make_loaders(cfg, device)
     train_set = train_loader.dataset
     images, labels = (t.cpu() for t in train_set.tensors)  # uint8 [N, 1, 28, 28], int64 [N]
-    epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset)
+    epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset, at_most=args.quick)
     steps = len(sizes)
     lr = cfg.scaled_lr(accelerator.num_processes)
 
@@ -118,6 +118,7 @@ def bench_mnist(args, accelerator):
         "batch_size": cfg.batch_size,
         "steps_per_rep": steps,
         "samples_per_rep": sum(sizes),
+        "steps_per_epoch": epoch_steps,
         "model": "TinyNet (one Linear layer)" if args.tiny_model else "BasicNet",
         "optimizer": f"{cfg.optimizer}(lr={lr:g}, weight_decay={cfg.weight_decay:g}), scheduler "
         f"{cfg.scheduler}; recipes/mnist.py make_optimizer and make_scheduler",

@@ -86,7 +86,7 @@ def bench_unet(args, accelerator):
     train_source, _ = list_pairs(cfg)  # the image and mask files, for the classic loop
     workers = worker_count(cfg.num_workers, 1)  # the recipe's when it does not cache
     train_set = train_loader.dataset
-    epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset)
+    epoch_steps, sizes = last_batches(train_loader, args.steps, cfg.dataset, at_most=args.quick)
     steps = len(sizes)
     lr = cfg.scaled_lr(accelerator.num_processes)
 
@@ -187,6 +187,7 @@ def bench_unet(args, accelerator):
         ),
         "steps_per_rep": steps,
         "samples_per_rep": sum(sizes),
+        "steps_per_epoch": epoch_steps,
         "model": f"UNet(base_channels={cfg.base_channels})",
         "optimizer": f"AdamW(lr={lr:g}, weight_decay={cfg.weight_decay}), gradient norm clipped "
         f"to {cfg.grad_clip}, scheduler {cfg.scheduler}; recipe and bound: "
