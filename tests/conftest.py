@@ -522,6 +522,78 @@ def trained_unet(shapes, tmp_path_factory):
     return out, res
 
 
+# ---- Counting launches: most of the suite's time is the fixed cost of each one ----
+
+
+def launch_processes(cmd):
+    """How many processes a command started from a test launches (1 or 2, as its launcher is
+    told), or 0 for a helper that imports no torch (make_shapes.py, ruff, mount)."""
+    cmd = [str(c) for c in cmd]
+    name = Path(cmd[0]).name
+    if name in ("accelerate", "torchrun"):
+        for flag in ("--num_processes", "--nproc_per_node"):
+            if flag in cmd:
+                return int(cmd[cmd.index(flag) + 1])
+        config = cmd[cmd.index("--config_file") + 1] if "--config_file" in cmd else ""
+        return 2 if "2gpu" in config else 1
+    if not name.startswith("python"):
+        return 0
+    script = next((c for c in cmd[1:] if c.endswith(".py")), "")
+    return 0 if Path(script).name.startswith("make_") else 1
+
+
+class _LaunchCount:
+    """Every process a test starts, by test: pytest's summary gives the total, and `--launches`
+    lists them by test (docs/tests.md)."""
+
+    def __init__(self):
+        self.by_test, self.current = {}, "(collection)"
+
+    def record(self, cmd):
+        processes = launch_processes(cmd)
+        if processes:
+            self.by_test.setdefault(self.current, []).append(processes)
+
+
+_launches = _LaunchCount()
+
+
+class _CountingPopen(subprocess.Popen):
+    def __init__(self, args, *more, **kwargs):
+        if isinstance(args, (list, tuple)):
+            _launches.record(args)
+        super().__init__(args, *more, **kwargs)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--launches", action="store_true", help="list the processes each test launched"
+    )
+
+
+def pytest_configure(config):
+    subprocess.Popen = _CountingPopen  # subprocess.run() and start() go through it too
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _launches.current = item.nodeid  # a session fixture's launch counts for its first test
+    return (yield)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    runs = [n for counts in _launches.by_test.values() for n in counts]
+    terminalreporter.write_line(
+        f"launches: {len(runs)} ({runs.count(2)} of 2 processes) in {len(_launches.by_test)} "
+        f"tests{'' if config.getoption('launches') else '; --launches lists them'}"
+    )
+    if config.getoption("launches"):
+        for test, counts in sorted(_launches.by_test.items(), key=lambda kv: -len(kv[1])):
+            terminalreporter.write_line(
+                f"{len(counts):3d} ({counts.count(2)} of 2 processes)  {test}"
+            )
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _hf_cache(tmp_path_factory):
     """Keep the tests' datasets cache out of the user's home, and never reach for the network."""
