@@ -401,31 +401,60 @@ def tiny_mnist(tmp_path_factory):
     return root
 
 
+# The shared MNIST runs' settings: 2 epochs of 256 samples in batches of 32 (8 steps an epoch on
+# 1 process, 4 on 2).
+MNIST_RUN = ["--epochs", 2, "--batch_size", 32]
+
+
 @pytest.fixture(scope="session")
-def mnist_checkpoint(tiny_mnist, tmp_path_factory):
-    """A `python recipes/mnist.py` run on tiny_mnist stopped by max_steps at step 2 (batch 32,
-    8 steps an epoch): its checkpoint is mid-epoch. Tests read it as it is, or break a copy of
-    it."""
+def mnist_run(tiny_mnist, tmp_path_factory):
+    """One `python recipes/mnist.py` run on tiny_mnist, stopped by max_steps at step 13 of 16,
+    mid-epoch 2: its outputs (a metrics.jsonl line for epoch 1 and one for the partial epoch 2,
+    config.yaml, model.safetensors) and checkpoints at steps 10 (mid-epoch 2: checkpoints every 5
+    steps, and at each epoch's end, 2 kept) and 13. Tests read it as it is, resume from a copy of
+    a checkpoint (stopped_at) or break a copy of it: (its output folder, its Result)."""
     out = tmp_path_factory.mktemp("mnist_checkpoint")
-    assert_ok(
-        launch(
-            [
-                "recipes/mnist.py",
-                "--dataset",
-                tiny_mnist,
-                "--output_dir",
-                out,
-                "--max_steps",
-                2,
-                "--batch_size",
-                32,
-                "--eval_batch_size",
-                256,
-            ],
-            launcher="python",
-        )
+    args = ["--max_steps", 13, "--checkpoint_every_steps", 5, "--keep_checkpoints", 2]
+    res = launch(
+        ["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", out, *MNIST_RUN]
+        + ["--eval_batch_size", 256, *args],
+        launcher="python",
     )
-    return out
+    assert_ok(res)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step-00000010",
+        "step-00000013",
+    ]
+    return out, res
+
+
+@pytest.fixture(scope="session")
+def mnist_checkpoint(mnist_run):
+    """mnist_run's output folder."""
+    return mnist_run[0]
+
+
+# The shared 2-process run's settings: its evaluation batches of 64 leave the 1,001 test samples
+# to a padded last batch on 2 processes; 2 DataLoader workers each; the moving average.
+TWO_PROCESS_RUN = [*MNIST_RUN, "--eval_batch_size", 64, "--scale_lr", "--num_workers", 2]
+TWO_PROCESS_RUN += ["--ema_decay", 0.9, "--max_steps", 7]
+
+
+@pytest.fixture(scope="session")
+def mnist_two_processes(tiny_mnist, tmp_path_factory):
+    """One 2-process `torchrun` run of recipes/mnist.py (TWO_PROCESS_RUN), stopped by max_steps
+    at step 7, mid-epoch 2, with checkpoints at step 3 (mid-epoch 1), 4 (epoch 1's end), 6 and 7:
+    (its output folder, its Result). test_mnist.py checks its outputs and evaluates its weights on
+    1 process; test_resume.py resumes it from step 3."""
+    out = tmp_path_factory.mktemp("mnist_2p")
+    more = ["--checkpoint_every_steps", 3, "--keep_checkpoints", 5]
+    res = launch(
+        ["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", out, *TWO_PROCESS_RUN] + more,
+        nproc=2,
+        launcher="torchrun",
+    )
+    assert_ok(res)
+    return out, res
 
 
 # ---- The U-Net's data and its one shared run ----

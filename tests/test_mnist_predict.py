@@ -51,7 +51,7 @@ def top_k(weights, paths, k=3):
 def test_predict_writes_one_row_per_file_in_order_the_same_on_two_processes(
     mnist_checkpoint, tiny_mnist, tmp_path
 ):
-    weights = mnist_checkpoint / "model.safetensors"  # as the recipe writes it (max_steps 2)
+    weights = mnist_checkpoint / "model.safetensors"  # as the recipe writes it (max_steps 13)
     paths = write_digits(tiny_mnist, tmp_path / "digits")
     (tmp_path / "digits" / "notes.txt").write_text("not an image: not listed")
     out = tmp_path / "csv" / "labels.csv"

@@ -43,19 +43,19 @@ def kill_when(args, done, log):
 def test_a_partial_epochs_metrics_line_goes_when_the_run_resumes(
     tiny_mnist, mnist_checkpoint, tmp_path
 ):
-    # mnist_checkpoint stopped at step 2 by max_steps: a line for its partial epoch 1. Going on to
-    # the end of epoch 1 writes epoch 1's line again, so the partial one goes.
+    # mnist_checkpoint stopped at step 13 by max_steps: a line for its partial epoch 2. Going on
+    # to the end of epoch 2 writes epoch 2's line again, so the partial one goes.
     run = shutil.copytree(mnist_checkpoint, tmp_path / "run")
-    # Other tests add eval_only lines (epoch null, step 2) to the shared run: they stay.
-    assert [(r["epoch"], r["step"]) for r in read_metrics(run) if r["epoch"]] == [(1, 2)]
+    # Other tests add eval_only lines (epoch null) to the shared run: they stay.
+    assert [(r["epoch"], r["step"]) for r in read_metrics(run) if r["epoch"]] == [(1, 8), (2, 13)]
     res = launch(
-        [RECIPE, "--dataset", tiny_mnist, "--output_dir", run, *SMALL, "--max_steps", 8]
+        [RECIPE, "--dataset", tiny_mnist, "--output_dir", run, *SMALL, "--max_steps", 16]
         + ["--resume", "latest"],
         launcher="python",
     )
     assert_ok(res)
-    assert "(epoch 1, step 2)" in res.output
-    assert [(r["epoch"], r["step"]) for r in read_metrics(run) if r["epoch"]] == [(1, 8)]
+    assert "(epoch 2, step 13)" in res.output
+    assert [(r["epoch"], r["step"]) for r in read_metrics(run) if r["epoch"]] == [(1, 8), (2, 16)]
 
 
 @pytest.mark.slow
