@@ -26,6 +26,7 @@ from conftest import (
     assert_ok,
     compile_config,
     launch,
+    predict_here,
     read_metrics,
     relabelled,
     with_void,
@@ -160,35 +161,6 @@ def test_two_gpus_use_syncbatchnorm(shapes, tmp_path):
     res = launch([RECIPE, "--dataset", shapes, "--output_dir", tmp_path, "--smoke", *FAST], nproc=2)
     assert_ok(res)
     assert "; SyncBatchNorm;" in res.output
-
-
-@pytest.mark.slow
-def test_eval_is_the_same_on_one_and_two_processes(trained_unet, shapes, tmp_path):
-    weights = trained_unet[0] / "model.safetensors"
-    results = {}
-    for nproc in (1, 2):
-        out = tmp_path / f"eval{nproc}"
-        res = launch(
-            [
-                RECIPE,
-                "--dataset",
-                shapes,
-                "--output_dir",
-                out,
-                "--eval_only",
-                "--weights",
-                weights,
-                *FAST,
-            ],
-            nproc=nproc,
-            env=ONE_THREAD,
-        )
-        assert_ok(res)
-        (results[nproc],) = read_metrics(out)
-    assert results[1]["eval_samples"] == results[2]["eval_samples"] == N_VAL
-    assert results[1]["dice"] == pytest.approx(read_metrics(trained_unet[0])[-1]["dice"], abs=1e-6)
-    # The batches differ, not the images.
-    assert results[2]["dice"] == pytest.approx(results[1]["dice"], abs=1e-3)
 
 
 # ---- The schedule ----
@@ -427,20 +399,7 @@ def test_bucket_by_size_on_two_processes_trains_and_evaluates_every_image_once(
     # Predict keeps each image at its own size too, and never writes the ignored value.
     odd = Image.open(next((mixed_shapes / "imgs").glob("*.png"))).resize((61, 37))
     odd.save(tmp_path / "odd.png")
-    assert_ok(
-        launch(
-            [
-                RECIPE,
-                "--predict",
-                tmp_path / "odd.png",
-                "--weights",
-                weights,
-                "--predict_dir",
-                tmp_path / "out",
-            ],
-            launcher="python",
-        )
-    )
+    predict_here(unet, weights, tmp_path / "odd.png", tmp_path / "out")
     predicted = Image.open(tmp_path / "out" / "odd_mask.png")
     assert predicted.size == (61, 37) and np.asarray(predicted).max() <= 3
 
@@ -503,22 +462,7 @@ def test_grey_and_rgba_images_train_in_their_own_channels_and_predict_converts(
     inputs.mkdir()
     Image.open(shapes / "imgs" / "shape_0000.png").save(inputs / "rgb.png")
     Image.open(shapes / "imgs" / "shape_0001.png").convert("RGBA").save(inputs / "rgba.png")
-    assert_ok(
-        launch(
-            [
-                RECIPE,
-                "--predict",
-                f"{inputs}/*",
-                "--weights",
-                weights,
-                "--predict_dir",
-                tmp_path / "masks",
-                "--overlay",
-            ],
-            launcher="python",
-            env=ONE_THREAD,
-        )
-    )
+    predict_here(unet, weights, f"{inputs}/*", tmp_path / "masks", "--overlay")
     masks = {p.name for p in (tmp_path / "masks").glob("*_mask.png")}
     assert masks == {"rgb_mask.png", "rgba_mask.png"}
     # eval_only of these weights on RGB images: the model and the images take the stored 1 channel.
