@@ -611,6 +611,8 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    if config.option.collectonly:
+        return
     runs = [n for counts in _launches.by_test.values() for n in counts]
     terminalreporter.write_line(
         f"launches: {len(runs)} ({runs.count(2)} of 2 processes) in {len(_launches.by_test)} "

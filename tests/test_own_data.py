@@ -340,6 +340,7 @@ def test_the_pet_layout_trains_resumes_and_predicts_with_the_flags_alone(unet, s
 @pytest.mark.parametrize(
     "layout, values",
     [("isic", [0, 255]), ("carvana", [0, 1]), ("voc", [0, 1, 2, 3, 255])],
+    ids=["isic", "carvana", "voc"],
 )
 def test_each_layout_reads_as_training_reads_it_with_the_flags_alone(
     unet, shapes, tmp_path, layout, values
