@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import psutil
@@ -535,6 +536,33 @@ def mixed_shapes(tmp_path_factory):
 def unet():
     """recipes/unet.py as a module, for its Config and data functions."""
     return load_recipe("unet")
+
+
+@pytest.fixture(scope="session")
+def camvid_two_processes(shapes, tmp_path_factory):
+    """One 2-process `accelerate launch` of recipes/unet.py on `shapes` in CamVid's layout
+    (tests/layouts.py: colour masks, class_dict.csv, Void along the top), read by the flags that
+    its first error names with Void ignored by name; 2 DataLoader workers each, crops, flips,
+    zoom, rotation and colour jitter; 8 steps (4 an epoch) with checkpoints at steps 3 (mid-epoch
+    1), 4, 6 and 8. test_own_data.py checks its classes, names and colours, test_unet_training.py
+    resumes it from step 3. (root, the recipe and its settings, out, its Result)."""
+    from layouts import camvid_layout, flags_of
+    from recipe_module import load_recipe
+
+    from common.data import DataError
+
+    root = camvid_layout(shapes, tmp_path_factory.mktemp("camvid") / "camvid")
+    with pytest.raises(DataError) as error:
+        load_recipe("unet").list_pairs(load_recipe("unet").Config(dataset=str(root)))
+    args = ["recipes/unet.py", *flags_of(error.value), "--ignore_index", "Void", "--lr", LR]
+    args += ["--base_channels", 8, "--batch_size", 8, "--eval_batch_size", 4, "--epochs", 2]
+    args += ["--num_workers", 2, "--cache_images", "false", "--crop_size", 32, "--vflip", 0.5]
+    args += ["--zoom", 0.25, "--rotate", 15, "--jitter", 0.3]
+    out = tmp_path_factory.mktemp("camvid_2p")
+    more = ["--max_steps", 8, "--checkpoint_every_steps", 3, "--keep_checkpoints", 10]
+    res = launch([*args, "--output_dir", out, *more], nproc=2, env=ONE_THREAD)
+    assert_ok(res)
+    return SimpleNamespace(root=root, args=args, out=out, res=res)
 
 
 @pytest.fixture(scope="session")
