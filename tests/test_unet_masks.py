@@ -389,11 +389,12 @@ def test_padding_changes_neither_the_loss_nor_the_dice_counts(unet, num_classes)
 
 
 def epoch_batches(unet, cfg, epoch):
-    """The training batches of an epoch, from the recipe's loader as its main() builds it, and
-    augmented as its train_one_epoch() augments them."""
+    """The training batches of an epoch, from the recipe's loader as its main() builds it, with
+    the settings it settles (hflip auto among them), and augmented as its train_one_epoch()
+    augments them."""
     from common.accelerator import build_accelerator
 
-    data = unet.load_data(cfg, build_accelerator())
+    cfg, data, _ = unet.settle(cfg, build_accelerator())
     # The order: the loader's first, from its own seeded generator.
     data.train_loader.dataset.epoch = epoch
     return data.reading, [unet.augment(*batch, cfg) for batch in data.train_loader]
