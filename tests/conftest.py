@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import psutil
@@ -401,31 +402,60 @@ def tiny_mnist(tmp_path_factory):
     return root
 
 
+# The shared MNIST runs' settings: 2 epochs of 256 samples in batches of 32 (8 steps an epoch on
+# 1 process, 4 on 2).
+MNIST_RUN = ["--epochs", 2, "--batch_size", 32]
+
+
 @pytest.fixture(scope="session")
-def mnist_checkpoint(tiny_mnist, tmp_path_factory):
-    """A `python recipes/mnist.py` run on tiny_mnist stopped by max_steps at step 2 (batch 32,
-    8 steps an epoch): its checkpoint is mid-epoch. Tests read it as it is, or break a copy of
-    it."""
+def mnist_run(tiny_mnist, tmp_path_factory):
+    """One `python recipes/mnist.py` run on tiny_mnist, stopped by max_steps at step 13 of 16,
+    mid-epoch 2: its outputs (a metrics.jsonl line for epoch 1 and one for the partial epoch 2,
+    config.yaml, model.safetensors) and checkpoints at steps 10 (mid-epoch 2: checkpoints every 5
+    steps, and at each epoch's end, 2 kept) and 13. Tests read it as it is, resume from a copy of
+    a checkpoint (stopped_at) or break a copy of it: (its output folder, its Result)."""
     out = tmp_path_factory.mktemp("mnist_checkpoint")
-    assert_ok(
-        launch(
-            [
-                "recipes/mnist.py",
-                "--dataset",
-                tiny_mnist,
-                "--output_dir",
-                out,
-                "--max_steps",
-                2,
-                "--batch_size",
-                32,
-                "--eval_batch_size",
-                256,
-            ],
-            launcher="python",
-        )
+    args = ["--max_steps", 13, "--checkpoint_every_steps", 5, "--keep_checkpoints", 2]
+    res = launch(
+        ["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", out, *MNIST_RUN]
+        + ["--eval_batch_size", 256, *args],
+        launcher="python",
     )
-    return out
+    assert_ok(res)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step-00000010",
+        "step-00000013",
+    ]
+    return out, res
+
+
+@pytest.fixture(scope="session")
+def mnist_checkpoint(mnist_run):
+    """mnist_run's output folder."""
+    return mnist_run[0]
+
+
+# The shared 2-process run's settings: its evaluation batches of 64 leave the 1,001 test samples
+# to a padded last batch on 2 processes; 2 DataLoader workers each; the moving average.
+TWO_PROCESS_RUN = [*MNIST_RUN, "--eval_batch_size", 64, "--scale_lr", "--num_workers", 2]
+TWO_PROCESS_RUN += ["--ema_decay", 0.9, "--max_steps", 7]
+
+
+@pytest.fixture(scope="session")
+def mnist_two_processes(tiny_mnist, tmp_path_factory):
+    """One 2-process `torchrun` run of recipes/mnist.py (TWO_PROCESS_RUN), stopped by max_steps
+    at step 7, mid-epoch 2, with checkpoints at step 3 (mid-epoch 1), 4 (epoch 1's end), 6 and 7:
+    (its output folder, its Result). test_mnist.py checks its outputs and evaluates its weights on
+    1 process; test_resume.py resumes it from step 3."""
+    out = tmp_path_factory.mktemp("mnist_2p")
+    more = ["--checkpoint_every_steps", 3, "--keep_checkpoints", 5]
+    res = launch(
+        ["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", out, *TWO_PROCESS_RUN] + more,
+        nproc=2,
+        launcher="torchrun",
+    )
+    assert_ok(res)
+    return out, res
 
 
 # ---- The U-Net's data and its one shared run ----
@@ -509,6 +539,35 @@ def unet():
 
 
 @pytest.fixture(scope="session")
+def camvid_two_processes(shapes, tmp_path_factory):
+    """One 2-process `accelerate launch` of recipes/unet.py on `shapes` in CamVid's layout
+    (tests/layouts.py: colour masks, class_dict.csv, Void along the top), read by the flags that
+    its first error names with Void ignored by name; 2 DataLoader workers each, crops, flips,
+    zoom, rotation and colour jitter; 8 steps (4 an epoch) with checkpoints at steps 3 (mid-epoch
+    1), 4, 6 and 8. test_own_data.py checks its classes, names and colours, test_unet_training.py
+    resumes it from step 3. (root, the recipe and its settings, out, its Result)."""
+    from layouts import camvid_layout, flags_of
+    from recipe_module import load_recipe
+
+    from common.data import DataError
+
+    root = camvid_layout(shapes, tmp_path_factory.mktemp("camvid") / "camvid")
+    with pytest.raises(DataError) as error:
+        load_recipe("unet").list_pairs(load_recipe("unet").Config(dataset=str(root)))
+    flags = flags_of(error.value)
+    assert flags[flags.index("--ignore_index") + 1] == "Void"  # class_dict.csv's void, by name
+    args = ["recipes/unet.py", *flags, "--lr", LR]
+    args += ["--base_channels", 8, "--batch_size", 8, "--eval_batch_size", 4, "--epochs", 2]
+    args += ["--num_workers", 2, "--cache_images", "false", "--crop_size", 32, "--vflip", 0.5]
+    args += ["--zoom", 0.25, "--rotate", 15, "--jitter", 0.3]
+    out = tmp_path_factory.mktemp("camvid_2p")
+    more = ["--max_steps", 8, "--checkpoint_every_steps", 3, "--keep_checkpoints", 10]
+    res = launch([*args, "--output_dir", out, *more], nproc=2, env=ONE_THREAD)
+    assert_ok(res)
+    return SimpleNamespace(root=root, args=args, out=out, res=res)
+
+
+@pytest.fixture(scope="session")
 def trained_unet(shapes, tmp_path_factory):
     """One single-process `python recipes/unet.py` run on `shapes`, 10 epochs: (its output folder,
     its Result). Tests check the run, and evaluate and predict with its weights."""
@@ -520,6 +579,80 @@ def trained_unet(shapes, tmp_path_factory):
     )
     assert_ok(res)
     return out, res
+
+
+# ---- Counting launches: most of the suite's time is the fixed cost of each one ----
+
+
+def launch_processes(cmd):
+    """How many processes a command started from a test launches (1 or 2, as its launcher is
+    told), or 0 for a helper that imports no torch (make_shapes.py, ruff, mount)."""
+    cmd = [str(c) for c in cmd]
+    name = Path(cmd[0]).name
+    if name in ("accelerate", "torchrun"):
+        for flag in ("--num_processes", "--nproc_per_node"):
+            if flag in cmd:
+                return int(cmd[cmd.index(flag) + 1])
+        config = cmd[cmd.index("--config_file") + 1] if "--config_file" in cmd else ""
+        return 2 if "2gpu" in config else 1
+    if not name.startswith("python"):
+        return 0
+    script = next((c for c in cmd[1:] if c.endswith(".py")), "")
+    return 0 if Path(script).name.startswith("make_") else 1
+
+
+class _LaunchCount:
+    """Every process a test starts, by test: pytest's summary gives the total, and `--launches`
+    lists them by test (docs/tests.md)."""
+
+    def __init__(self):
+        self.by_test, self.current = {}, "(collection)"
+
+    def record(self, cmd):
+        processes = launch_processes(cmd)
+        if processes:
+            self.by_test.setdefault(self.current, []).append(processes)
+
+
+_launches = _LaunchCount()
+
+
+class _CountingPopen(subprocess.Popen):
+    def __init__(self, args, *more, **kwargs):
+        if isinstance(args, (list, tuple)):
+            _launches.record(args)
+        super().__init__(args, *more, **kwargs)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--launches", action="store_true", help="list the processes each test launched"
+    )
+
+
+def pytest_configure(config):
+    subprocess.Popen = _CountingPopen  # subprocess.run() and start() go through it too
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _launches.current = item.nodeid  # a session fixture's launch counts for its first test
+    return (yield)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if config.option.collectonly:
+        return
+    runs = [n for counts in _launches.by_test.values() for n in counts]
+    terminalreporter.write_line(
+        f"launches: {len(runs)} ({runs.count(2)} of 2 processes) in {len(_launches.by_test)} "
+        f"tests{'' if config.getoption('launches') else '; --launches lists them'}"
+    )
+    if config.getoption("launches"):
+        for test, counts in sorted(_launches.by_test.items(), key=lambda kv: -len(kv[1])):
+            terminalreporter.write_line(
+                f"{len(counts):3d} ({counts.count(2)} of 2 processes)  {test}"
+            )
 
 
 @pytest.fixture(scope="session", autouse=True)

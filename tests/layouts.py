@@ -10,12 +10,20 @@ exactly as the public dataset lays out its files, masks and splits:
                                   class_dict.csv (name,r,g,b)
     carvana_layout(shapes, root)  Kaggle's Carvana: train/NAME.jpg, train_masks/NAME_mask.gif
 
-split_names(shapes): the last 10 images validate, the others train.
+split_names(shapes): the last 10 images validate, the others train. flags_of(error): the
+settings that the first error on such a folder names.
 """
+
+import shlex
 
 import numpy as np
 from conftest import with_void
 from PIL import Image
+
+
+def flags_of(error):
+    """The settings that an error's "read it with ..." names."""
+    return shlex.split(str(error).split("read it with ")[1])
 
 
 def split_names(shapes):

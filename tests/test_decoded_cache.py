@@ -53,19 +53,16 @@ def edit(copy, old, new):
     copy.write_text(source.replace(old, new))
 
 
-def test_a_copy_whose_decoding_is_edited_decodes_again(tiny_mnist, tmp_path):
-    hf_home, folder = tmp_path / "hf_home", tmp_path / "hf_home" / "datasets" / "decoded"
+def test_a_copy_whose_decoding_is_edited_decodes_again(mnist_run, tiny_mnist, tmp_path):
+    # mnist_run decoded tiny_mnist's splits into this session's datasets cache (HF_HOME: conftest),
+    # where a copy edited elsewhere reads them (test_a_copy_edited_outside_the_decoding_...).
+    folder = Path(os.environ["HF_HOME"]) / "datasets" / "decoded"
+    assert split_file(folder, N_TRAIN) and split_file(folder, N_TEST)
     with recipe_copy() as copy:
-
-        def run(out):
-            args = [copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / out, "--smoke"]
-            return launch(args, launcher="python", env={"HF_HOME": str(hf_home)})
-
-        assert_ok(run("first"))
-        assert len(list(folder.iterdir())) == 2  # both splits decoded and written
         raising = '    def decode():\n        raise DataError("the edited decode() ran")\n'
         edit(copy, "    def decode():\n", raising)
-        res = run("second")
+        args = [copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "out", "--smoke"]
+        res = launch(args, launcher="python")
     assert res.returncode == 2 and "error: the edited decode() ran" in res.output, res
 
 

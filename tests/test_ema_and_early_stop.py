@@ -1,18 +1,16 @@
 """The moving average of the weights (ema_decay) and early stopping (early_stop_patience):
-both resume exactly, and every rank stops after the same evaluation. The early-stopping run
-also logs to TensorBoard, read back here."""
-
-import shutil
+every rank stops after the same evaluation, and the patience survives a resume; the U-Net
+averages its BatchNorm statistics too. The early-stopping run also logs to TensorBoard, read back
+here. The moving average resumes exactly in test_resume.py (its 2-process run), and a checkpoint
+resumes only with its ema_decay in test_invariants.py."""
 
 import pytest
 import torch
 from conftest import (
-    assert_ema_is_evaluated_and_followed,
     assert_ok,
     launch,
     make_shapes,
     read_metrics,
-    stopped_at,
 )
 from recipe_module import load_recipe
 from safetensors.torch import load_file
@@ -37,79 +35,29 @@ def assert_identical(a, b):
 
 
 @pytest.mark.slow
-def test_the_moving_average_resumes_bit_identically(tiny_mnist, tmp_path):
-    # One process, one whole epoch and part of the next. On 2 processes: test_resume.py's
-    # test_two_process_resume_is_exact_too_with_the_moving_average, one run for both.
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    ema = ["--ema_decay", 0.9]
-    train(
-        tiny_mnist,
-        straight,
-        *ema,
-        "--max_steps",
-        10,
-        "--checkpoint_every_steps",
-        3,
-        "--keep_checkpoints",
-        5,
-    )
-    stopped_at(straight, 3, split)  # mid-epoch 1
-    res = train(tiny_mnist, split, *ema, "--max_steps", 10, "--resume", "latest")
-    assert "(epoch 1, step 3)" in res.output
-    for name in ("model.safetensors", "model_ema.safetensors"):
-        assert_identical(load_file(straight / name), load_file(split / name))
-    assert_ema_is_evaluated_and_followed(straight, steps=10, steps_per_epoch=8)
-
-
-@pytest.mark.slow
-def test_a_checkpoint_resumes_only_with_its_ema_setting(tiny_mnist, mnist_checkpoint, tmp_path):
-    run = shutil.copytree(mnist_checkpoint, tmp_path / "run")  # written without ema_decay
-    res = launch(
-        [
-            MNIST,
-            "--dataset",
-            tiny_mnist,
-            "--output_dir",
-            run,
-            *COMMON,
-            "--resume",
-            "latest",
-            "--ema_decay",
-            0.9,
-        ],
-        launcher="python",
-    )
-    assert res.returncode == 2, res
-    assert (
-        "was written with ema_decay 0.0, not 0.9: resume it with --ema_decay 0.0" in res.output
-    ), res
-    assert "Traceback" not in res.output
-
-
-@pytest.mark.slow
 def test_early_stopping_stops_every_rank_its_patience_survives_a_resume_and_tensorboard_logs(
     tiny_mnist, tmp_path
 ):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # A learning rate too small to change a prediction: the accuracy never improves after epoch 1.
-    # 4 steps an epoch on 2 processes: max_steps 8 stops at the end of epoch 2, one evaluation into
-    # a patience of 2. The resumed run must stop after epoch 3, not start counting again.
+    # 8 steps an epoch on 1 process: max_steps 16 stops at the end of epoch 2, one evaluation into
+    # a patience of 2. That checkpoint, at an epoch's end, goes on on 2 processes, which must stop
+    # after epoch 3, both of them, not start counting again.
     flat = ["--lr", 1e-12, "--epochs", 6, "--early_stop_patience", 2]
     train(
         tiny_mnist,
         tmp_path,
         *flat,
         "--max_steps",
-        8,
+        16,
         "--log_with",
         "tensorboard",
         "--log_every",
         2,
-        nproc=2,
     )
-    # TensorBoard: one writer (the main process), training scalars every 2 steps, and the
-    # evaluations.
+    # TensorBoard: training scalars every 2 steps, and the evaluations. From the main process
+    # alone on 2 processes: test_unet_training.py.
     (events,) = (tmp_path / "mnist").glob("events.out.tfevents.*")
     acc = EventAccumulator(str(events))
     acc.Reload()
@@ -121,18 +69,19 @@ def test_early_stopping_stops_every_rank_its_patience_survives_a_resume_and_tens
         "eval/accuracy",
         "eval/eval_samples",
     } <= set(scalars)
-    assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6, 8]
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(2, 17, 2))
     assert [(e.step, round(e.value, 6)) for e in acc.Scalars("eval/accuracy")] == [
         (r["step"], round(r["accuracy"], 6)) for r in read_metrics(tmp_path)
     ]
-    assert [r["step"] for r in read_metrics(tmp_path)] == [4, 8]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [8, 16]
 
     res = train(tiny_mnist, tmp_path, *flat, "--resume", "latest", nproc=2)
     assert "stopped early: no better accuracy in 2 evaluations" in res.output
-    assert [r["epoch"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    epochs = [(r["epoch"], r["world_size"]) for r in read_metrics(tmp_path)]
+    assert epochs == [(1, 1), (2, 1), (3, 2)]
     assert (tmp_path / "model.safetensors").is_file()
     # Going on from there trains nothing more: the patience ran out.
-    res = train(tiny_mnist, tmp_path, *flat, "--resume", "latest", nproc=2)
+    res = train(tiny_mnist, tmp_path, *flat, "--resume", "latest")
     assert "epoch 4:" not in res.output and read_metrics(tmp_path)[-1]["epoch"] is None
 
 

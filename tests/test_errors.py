@@ -1,5 +1,6 @@
 """Bad input, failing ranks and exits: one clear line, a bounded time, nothing lost."""
 
+import gc
 import hashlib
 import re
 import time
@@ -7,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import _write_split, assert_ok, launch
+from conftest import FakeAccelerator, _write_split, launch
 from recipe_module import load_recipe
 
 from common.config import parse_config
-from common.data import DataError
+from common.data import DataError, require_one_batch_per_process
 
 RECIPE = "recipes/mnist.py"
 
@@ -75,10 +76,6 @@ CASES = {
         ["--batch_size", "1000"],
         "fewer than one batch for each process (1000 x 1 processes)",
     ),
-    "resume path": (
-        ["--resume", "/no/such/checkpoint"],
-        "resume checkpoint /no/such/checkpoint not found",
-    ),
     "mid-epoch resume": (
         ["--batch_size", "16"],
         "was written mid-epoch with batch_size 32, not 16: resume it with",
@@ -87,12 +84,14 @@ CASES = {
 
 
 IN_PROCESS = [
+    "missing split",
     "missing column",
     "empty split",
     "channels",
     "label range",
     "label type",
-]  # data, as "missing split"
+    "smaller than a batch per process",
+]  # data
 
 
 def case_args(case, tiny_mnist, bad_datasets):
@@ -103,22 +102,28 @@ def case_args(case, tiny_mnist, bad_datasets):
 
 @pytest.mark.parametrize("case", IN_PROCESS)
 def test_bad_data_is_named_with_its_fix(case, tiny_mnist, bad_datasets):
-    # The message the recipe's data step gives; a launch of "missing split" below shows that such
-    # an error reaches the user as one line and leaves the checkpoints alone.
+    # The message the recipe's data step gives. The launch below shows that an error that stops a
+    # resume reaches the user as one line and leaves the run's files alone; test_config.py's, that
+    # a data error is one line.
     args, message = case_args(case, tiny_mnist, bad_datasets)
     mnist = load_recipe("mnist")
+    cfg = parse_config(mnist.Config, args)
     with pytest.raises(DataError, match=re.escape(message)):
-        mnist.make_loaders(parse_config(mnist.Config, args))
+        train_loader, _ = mnist.make_loaders(cfg)
+        # What main() checks of the loaded data.
+        samples = len(train_loader.dataset)
+        require_one_batch_per_process(samples, cfg.batch_size, FakeAccelerator(), "the train split")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [case for case in CASES if case not in IN_PROCESS])
-def test_bad_input_is_one_line_and_the_checkpoints_survive(
-    case, mnist_checkpoint, tiny_mnist, bad_datasets
+def test_a_resume_that_stops_on_bad_input_is_one_line_and_the_checkpoints_survive(
+    mnist_checkpoint, tiny_mnist, bad_datasets
 ):
-    args, message = case_args(case, tiny_mnist, bad_datasets)
-    if "--resume" not in args:
-        args += ["--resume", "latest"]
+    # The last of the checks before training (load_checkpoint): the model, the optimizer, the
+    # data and the output folder are made by then. A resume path that is not there:
+    # test_resume.py's test_bad_resume_choices_say_what_to_do.
+    args, message = case_args("mid-epoch resume", tiny_mnist, bad_datasets)
+    args += ["--resume", "latest"]
     before = snapshot(mnist_checkpoint / "checkpoints")
     metrics = (mnist_checkpoint / "metrics.jsonl").read_text()
     start = time.monotonic()
@@ -133,29 +138,6 @@ def test_bad_input_is_one_line_and_the_checkpoints_survive(
     assert before.items() <= after.items(), "an existing checkpoint was changed or deleted"
     # A resume that stops before it trains leaves the run's metrics as they were.
     assert (mnist_checkpoint / "metrics.jsonl").read_text() == metrics
-
-
-@pytest.mark.slow
-def test_eval_only_reads_a_mid_epoch_checkpoint_whatever_the_batch_size(
-    mnist_checkpoint, tiny_mnist
-):
-    res = launch(
-        [
-            RECIPE,
-            "--dataset",
-            tiny_mnist,
-            "--output_dir",
-            mnist_checkpoint,
-            "--eval_only",
-            "--resume",
-            "latest",
-            "--batch_size",
-            16,
-        ],
-        launcher="python",
-    )
-    assert_ok(res)
-    assert "test accuracy" in res.output
 
 
 @pytest.mark.slow
@@ -184,32 +166,18 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_mnist, tm
 
 
 @pytest.mark.slow
-def test_output_dir_that_cannot_be_written(tiny_mnist, tmp_path):
-    (tmp_path / "a_file").write_text("")
-    res = launch(
-        [RECIPE, "--dataset", tiny_mnist, "--output_dir", tmp_path / "a_file" / "run"],
-        launcher="python",
-    )
-    assert (
-        res.returncode == 2
-        and "is not writable (Not a directory)" in res.output.strip().splitlines()[-1]
-    ), res
-
-
-@pytest.mark.slow
 def test_debug_shows_the_traceback(tiny_mnist, tmp_path):
-    res = launch(
-        [RECIPE, "--dataset", "./nowhere", "--output_dir", tmp_path, "--debug"], launcher="python"
-    )
-    assert res.returncode != 0 and "Traceback" in res.output and "DataError" in res.output
+    # run(), as `python recipes/mnist.py ... --debug` calls it: the error is raised, with its
+    # traceback, instead of its one line. Without --debug: test_config.py's launch.
+    from common.runtime import run
 
-
-@pytest.mark.slow
-def test_two_processes_print_a_user_error_once(tiny_mnist, tmp_path):
-    res = launch([RECIPE, "--dataset", "./nowhere", "--output_dir", tmp_path], nproc=2)
-    assert res.returncode != 0
-    assert res.output.count("error: dataset path ./nowhere does not exist") == 1, res
-    assert "[rank1]" not in res.output and "[rank0]" not in res.output
+    mnist = load_recipe("mnist")
+    argv = ["--dataset", "./nowhere", "--output_dir", str(tmp_path / "run"), "--debug"]
+    try:
+        with pytest.raises(DataError, match="dataset path ./nowhere does not exist"):
+            run(mnist.main, mnist.Config, argv)
+    finally:
+        gc.unfreeze()  # run() froze what this process had made, as a recipe's process ends
 
 
 @pytest.mark.slow
@@ -267,6 +235,11 @@ def test_an_output_dir_that_cannot_be_created_is_one_line_not_ignored(tmp_path, 
         monkeypatch.setattr(Path, "mkdir", real_mkdir)  # the next attempt would succeed
         raise OSError(28, "No space left on device")
 
+    # A parent that is a file: the run cannot make its folder.
+    (tmp_path / "a_file").write_text("")
+    cfg = SimpleNamespace(output_dir=str(tmp_path / "a_file" / "run"), resume=None, eval_only=False)
+    with pytest.raises(UserError, match=r"run is not writable \(Not a directory\): choose another"):
+        outputs.open_run(SimpleNamespace(is_main_process=True), cfg)
     monkeypatch.setattr(Path, "mkdir", full_once)
     cfg = SimpleNamespace(output_dir=str(tmp_path / "run"), resume=None, eval_only=False)
     with pytest.raises(

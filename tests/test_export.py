@@ -2,23 +2,22 @@
 them, checked against PyTorch, with the weights file's metadata; the U-Net predicts from it."""
 
 import json
-import os
 import re
-import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import REPO, assert_ok, launch, make_shapes
+from conftest import assert_ok, launch, make_shapes, predict_here
 from PIL import Image
 from recipe_module import load_recipe
 from safetensors import safe_open
 
 from common.checkpoint import load_weights
 from common.config import ConfigError, UserError, parse_config
-from common.export import OnnxModel, check_onnx, write_onnx
+from common.export import OnnxModel, check_onnx, export_onnx, write_onnx
 from unet import read_trained
 
 MNIST, UNET = "recipes/mnist.py", "recipes/unet.py"
@@ -173,23 +172,10 @@ def test_unet_export_takes_any_batch_and_image_size(unet_onnx, unet_weights):
 
 @pytest.mark.slow
 def test_unet_predict_from_onnx_writes_the_same_masks(unet_onnx, unet_weights, tmp_path):
+    # As --predict runs it: the weights' record says what to build, or the .onnx file runs.
     data, weights = unet_weights
     for source in (weights, unet_onnx[1]):
-        assert_ok(
-            launch(
-                [
-                    UNET,
-                    "--predict",
-                    f"{data}/imgs/*.png",
-                    "--weights",
-                    source,
-                    "--predict_dir",
-                    tmp_path / source.suffix,
-                ],
-                launcher="python",
-                env=ONE_THREAD,
-            )
-        )
+        predict_here(load_recipe("unet"), source, f"{data}/imgs/*.png", tmp_path / source.suffix)
     masks = sorted((tmp_path / ".safetensors").iterdir())
     assert len(masks) == 20
     for mask in masks:  # identical files, not merely close
@@ -199,92 +185,35 @@ def test_unet_predict_from_onnx_writes_the_same_masks(unet_onnx, unet_weights, t
 
 
 @pytest.mark.slow
-def test_unet_export_without_data_checks_random_inputs_of_the_stored_size(unet_weights, tmp_path):
-    # Weights from data that is not here, and no --dataset: the check runs on random pixels of
-    # the size the weights store, and says so. Here weights of images at their own sizes, which
-    # store none: 64x64. Weights that store one: test_the_unet_check_sees_validation_images...
-    from safetensors.torch import load_file, save_file
-
-    from common.checkpoint import record_metadata
-
-    native = tmp_path / "native.safetensors"
-    stored = read_trained(unet_weights[1])
-    stored["input_size"] = None
-    save_file(load_file(unet_weights[1]), native, record_metadata("segmentation", stored))
-    # Run as a user who copied only the weights.
-    res = subprocess.run(
-        [sys.executable, REPO / UNET, "--export", "onnx", "--weights", native],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "ACCELERATE_USE_CPU": "1", **ONE_THREAD},
-    )
-    output = res.stdout + res.stderr
-    assert res.returncode == 0 and WROTE.search(output), output
-    path, worst, shapes, what = WROTE.search(output).groups()
-    assert path == str(native.with_suffix(".onnx")) and float(worst) <= 1e-4, output
-    assert shapes.split(", ") == ["4x3x64x64", "1x3x80x96"]
-    assert what == "random pixels: no --images, and --dataset at the default data/shapes"
-
-
-def hide(tmp_path, package):
-    """PYTHONPATH for a subprocess in which `package` cannot be imported, as if not installed."""
-    (tmp_path / package).mkdir()
-    (tmp_path / package / "__init__.py").write_text(
-        f"raise ModuleNotFoundError(\"No module named '{package}'\", name='{package}')\n"
-    )
-    return {"PYTHONPATH": str(tmp_path)}
+def test_a_missing_exporter_package_is_one_line(mnist_weights, tiny_mnist, monkeypatch):
+    # What `--export onnx` meets without onnxscript: its one line is any user error's (launched
+    # in test_config.py).
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # what `import onnxscript` meets then
+    serving = load_recipe("mnist_predict")
+    argv = ["--dataset", str(tiny_mnist), "--export", "onnx", "--weights", str(mnist_weights)]
+    message = "export onnx needs the onnxscript package: pip install -r requirements-extras.txt"
+    with pytest.raises(UserError, match=re.escape(message)):
+        serving.serve(parse_config(serving.Config, argv))
 
 
 @pytest.mark.slow
-def test_a_missing_exporter_package_is_one_line(mnist_weights, tiny_mnist, tmp_path):
-    res = launch(
-        [MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights],
-        launcher="python",
-        env=hide(tmp_path, "onnxscript"),
-    )
-    assert res.returncode == 2 and "Traceback" not in res.output, res
-    assert res.output.strip().splitlines()[-1] == (
-        "error: export onnx needs the onnxscript package: pip install -r requirements-extras.txt"
-    )
-
-
-@pytest.mark.slow
-def test_a_missing_onnxruntime_for_predict_is_one_line(unet_onnx, unet_weights, tmp_path):
+def test_a_missing_onnxruntime_for_predict_is_one_line(
+    unet_onnx, unet_weights, tmp_path, monkeypatch
+):
     onnx_file = unet_onnx[1]
-    res = launch(
-        [
-            UNET,
-            "--predict",
-            f"{unet_weights[0]}/imgs/*.png",
-            "--weights",
-            onnx_file,
-            "--predict_dir",
-            tmp_path / "masks",
-        ],
-        launcher="python",
-        env=hide(tmp_path, "onnxruntime"),
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    message = (
+        f"running {onnx_file} needs the onnxruntime package: pip install -r requirements-extras.txt"
     )
-    assert res.returncode == 2 and "Traceback" not in res.output, res
-    assert res.output.strip().splitlines() == [
-        f"error: running {onnx_file} needs the onnxruntime package: "
-        f"pip install -r requirements-extras.txt"
-    ]
-
-
-@pytest.mark.slow
-def test_export_without_weights_is_one_line(tmp_path):
-    res = launch([MNIST, "--export", "onnx"], launcher="python")
-    assert res.returncode == 2
-    assert res.output.strip().splitlines() == [
-        "error: export needs weights: add --weights PATH/model.safetensors"
-    ]
+    with pytest.raises(UserError, match=re.escape(message)):
+        predict_here(load_recipe("unet"), onnx_file, f"{unet_weights[0]}/imgs/*.png", tmp_path)
 
 
 def test_bad_export_settings_are_rejected():
     mnist, unet = load_recipe("mnist"), load_recipe("unet")
     for config, args, message in [
         (mnist, ["--export", "tflite", "--weights", "m.safetensors"], "export must be onnx"),
+        (mnist, ["--export", "onnx"], "export needs weights: add --weights PATH/model.safetensors"),
         (
             mnist,
             ["--export", "onnx", "--weights", "m.safetensors", "--eval_only"],
@@ -303,14 +232,11 @@ def test_bad_export_settings_are_rejected():
 
 
 @pytest.mark.slow
-def test_export_runs_on_one_process(mnist_weights, tiny_mnist):
-    res = launch(
-        [MNIST, "--dataset", tiny_mnist, "--export", "onnx", "--weights", mnist_weights], nproc=2
-    )
-    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
-    assert res.returncode != 0 and errors == [
-        "error: export runs on one process: start it with python, not a multi-process launch"
-    ], res
+def test_export_runs_on_one_process():
+    # What export_onnx() says to the main process of a 2-process launch, before it writes anything.
+    two = SimpleNamespace(num_processes=2)
+    with pytest.raises(UserError, match="export runs on one process: start it with python, not"):
+        export_onnx(two, None, inputs=[], weights="m.safetensors", metadata={}, dynamic={})
 
 
 @pytest.mark.slow
@@ -344,12 +270,19 @@ def test_the_unet_check_sees_validation_images_at_two_sizes(unet_weights, tmp_pa
         assert (x.shape, y.shape) == (first, second) and what == f"images of {data}"
         assert x.dtype == torch.float32 and 0 <= x.min() < x.max() <= 1
     # No --dataset or --images: random pixels of the size the weights store, also where the
-    # recipe's default data, data/shapes, is made (it need not be what the weights learned).
+    # recipe's default data, data/shapes, is made (it need not be what the weights learned); for
+    # weights of images at their own sizes, which store none, 64x64 (and another size).
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "shapes").symlink_to(data)
     weights = read_trained(unet_weights[1])
-    images, what = serving.export_inputs(parse_config(unet.Config, []), weights)
-    assert [tuple(t.shape) for t in images] == [(4, 3, 48, 48), (1, 3, 64, 80)]
-    assert images[0].dtype == torch.uint8
-    assert what == "random pixels: no --images, and --dataset at the default data/shapes"
+    for input_size, shapes in (
+        ([48, 48], [(4, 3, 48, 48), (1, 3, 64, 80)]),
+        (None, [(4, 3, 64, 64), (1, 3, 80, 96)]),
+    ):
+        images, what = serving.export_inputs(
+            parse_config(unet.Config, []), {**weights, "input_size": input_size}
+        )
+        assert [tuple(t.shape) for t in images] == shapes
+        assert images[0].dtype == torch.uint8
+        assert what == "random pixels: no --images, and --dataset at the default data/shapes"

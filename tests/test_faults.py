@@ -6,6 +6,8 @@ its default disposition, and Ctrl-C goes to its whole process group, DataLoader 
 """
 
 import contextlib
+import gc
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, REPO, assert_ok, free_port, launch, read_metrics
+from conftest import BIN, REPO, assert_ok, free_port, launch
 from safetensors.torch import load_file
 
 UNET_ARGS = [
@@ -143,6 +145,10 @@ def test_ctrl_c_with_dataloader_workers_checkpoints_and_resumes_bit_exactly(
     step = stopped_step(out, split, nproc)
     # python exits 130 (128 + SIGINT); a launcher reports its own status after the recipe's line.
     assert code == (130 if launcher == "python" else 1), out[-3000:]
+    if launcher == "python":
+        # The stop's checkpoint is written as every checkpoint is (Progress.checkpoint_due), and
+        # resumes bit-exactly: on 2 processes below, and in test_unet_training.py's fast tier.
+        return
     env = {"OMP_NUM_THREADS": "1"}
     res = launch(
         [*args, "--output_dir", split, "--resume", "latest", "--max_steps", step + 5],
@@ -159,6 +165,8 @@ def test_ctrl_c_with_dataloader_workers_checkpoints_and_resumes_bit_exactly(
 
 @pytest.mark.slow
 def test_sigterm_to_torchrun_with_dataloader_workers_checkpoints_every_rank(tiny_mnist, tmp_path):
+    # SIGTERM to torchrun alone, as a scheduler stops a job: torchrun passes it on to each rank,
+    # which checkpoints (stopped_step). Resuming under torchrun: test_resume.py.
     args = ["recipes/mnist.py", "--dataset", tiny_mnist, *MNIST_ARGS]
     code, out = interrupt(
         command("torchrun", 2, [*args, "--output_dir", tmp_path]),
@@ -168,13 +176,10 @@ def test_sigterm_to_torchrun_with_dataloader_workers_checkpoints_every_rank(tiny
     )
     step = stopped_step(out, tmp_path, 2)
     assert code == 1
-    res = launch(
-        [*args, "--output_dir", tmp_path, "--resume", "latest", "--max_steps", step + 2],
-        nproc=2,
-        launcher="torchrun",
+    state = json.loads(
+        (tmp_path / "checkpoints" / f"step-{step:08d}" / "trainer_state.json").read_text()
     )
-    assert_ok(res)
-    assert f"step {step})" in res.output and read_metrics(tmp_path)[-1]["step"] == step + 2
+    assert state["step"] == step and state["world_size"] == 2
 
 
 @pytest.mark.slow
@@ -239,32 +244,40 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_keeps_the_last_checkpoin
     assert "Traceback" not in res.output.split("error: cannot write")[0], (
         res
     )  # later lines: the launcher's
-    # The earlier checkpoint is whole, nothing temporary is left, and the run resumes from it.
+    # The earlier checkpoint is whole (each of its files reads), and nothing temporary is left:
+    # --resume latest goes on from it, as from any checkpoint (test_resume.py).
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]
-    moved = tmp_path / "moved"
-    subprocess.run(["cp", "-r", str(out), str(moved)], check=True)
-    res = launch(
-        [
-            "recipes/mnist.py",
-            "--dataset",
-            tiny_mnist,
-            "--output_dir",
-            moved,
-            "--batch_size",
-            32,
-            "--epochs",
-            1,
-            "--resume",
-            "latest",
-        ],
-        nproc=2,
-    )
-    assert_ok(res)
-    assert "(epoch 1, step 2)" in res.output
+    checkpoint = out / "checkpoints" / "step-00000002"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["step"] == 2
+    assert "fc2.weight" in load_file(checkpoint / "model.safetensors")
+    assert torch.load(checkpoint / "optimizer.bin", weights_only=True)["state"]
+    for rank in (0, 1):
+        assert torch.load(checkpoint / f"random_states_{rank}.pkl", weights_only=False)
+
+
+def open_here(output_dir, *more):
+    """open_run() of an MNIST run into output_dir, in this process, as main() opens it: (its
+    output folder, checkpoint), with the lock on the folder let go again."""
+    from recipe_module import load_recipe
+
+    from common import outputs
+    from common.accelerator import build_accelerator
+    from common.config import parse_config
+
+    mnist = load_recipe("mnist")
+    cfg = parse_config(mnist.Config, ["--output_dir", str(output_dir), *map(str, more)])
+    held = len(outputs._locks)
+    try:
+        return outputs.open_run(build_accelerator(), cfg)
+    finally:
+        while len(outputs._locks) > held:  # a run's process holds it until it ends
+            outputs._locks.pop().close()
 
 
 @pytest.mark.slow
 def test_a_second_run_into_the_same_folder_stops_at_once(tiny_mnist, tmp_path):
+    from common.config import UserError
+
     args = [
         sys.executable,
         "recipes/mnist.py",
@@ -294,47 +307,33 @@ def test_a_second_run_into_the_same_folder_stops_at_once(tiny_mnist, tmp_path):
         while not (tmp_path / "metrics.jsonl").exists():
             assert first.poll() is None and time.time() < deadline
             time.sleep(0.2)
-        second = launch([*args[1:], "--resume", "latest"], launcher="python", timeout=60)
-        lines = second.output.strip().splitlines()
-        assert second.returncode == 2 and len(lines) == 1, second
-        assert lines[0].startswith(
-            f"error: output_dir {tmp_path} is in use by a run that is still going (process "
-            f"{first.pid} on "
-        ), second
-        # A crash of the training process alone: its DataLoader workers may live a moment longer,
-        # and must not hold the lock.
+        # What a second run's main() meets first: open_run, here; its one line and exit status 2
+        # are those of every user error (test_config.py launches one).
+        with pytest.raises(UserError) as e:
+            open_here(tmp_path, "--resume", "latest")
+        assert str(e.value).startswith(
+            f"output_dir {tmp_path} is in use by a run that is still going (process {first.pid} on "
+        ), e.value
+        # A crash of the training process alone: its DataLoader workers (started after the lock
+        # was taken) may live a moment longer, and must not hold the lock.
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
-        third = launch([*args[1:], "--resume", "latest", "--epochs", 1], launcher="python")
+        out, _ = open_here(tmp_path, "--resume", "latest")  # not "in use"
     finally:
         with contextlib.suppress(ProcessLookupError):  # the group may be gone already
             os.killpg(first.pid, signal.SIGKILL)
         first.communicate()
-    assert "in use by" not in third.output and third.returncode == 0, third
-    epochs = [row["epoch"] for row in read_metrics(tmp_path) if row["epoch"] is not None]
-    assert epochs == list(range(1, len(epochs) + 1)), (
-        epochs
-    )  # one run's epochs, no second run's mixed in
+    assert out == tmp_path
 
 
 @pytest.mark.slow
-def test_resume_latest_into_a_folder_that_does_not_exist_is_an_error(tiny_mnist, tmp_path):
-    res = launch(
-        [
-            "recipes/mnist.py",
-            "--dataset",
-            tiny_mnist,
-            "--output_dir",
-            tmp_path / "typo",
-            "--resume",
-            "latest",
-        ],
-        launcher="python",
-    )
-    lines = res.output.strip().splitlines()
-    assert res.returncode == 2 and len(lines) == 1, res
-    assert lines[0] == (
-        f"error: resume latest: output_dir {tmp_path / 'typo'} does not exist: check --output_dir, "
+def test_resume_latest_into_a_folder_that_does_not_exist_is_an_error(tmp_path):
+    from common.config import UserError
+
+    with pytest.raises(UserError) as e:
+        open_here(tmp_path / "typo", "--resume", "latest")
+    assert str(e.value) == (
+        f"resume latest: output_dir {tmp_path / 'typo'} does not exist: check --output_dir, "
         f"or leave out --resume to start a new run"
     )
     assert not (tmp_path / "typo").exists()
@@ -342,15 +341,20 @@ def test_resume_latest_into_a_folder_that_does_not_exist_is_an_error(tiny_mnist,
 
 @pytest.mark.slow
 def test_a_run_that_fails_before_training_leaves_no_folder(tmp_path):
-    res = launch(
-        ["recipes/mnist.py", "--dataset", "./nowhere", "--output_dir", tmp_path / "new"],
-        launcher="python",
-    )
-    assert res.returncode == 2 and "dataset path ./nowhere does not exist" in res.output, res
-    assert not (tmp_path / "new").exists()
+    # run(), as `python recipes/mnist.py` calls it: exit status 2 after the one line
+    # (test_config.py launches it), and the folder that this run made, untrained, goes.
+    from recipe_module import load_recipe
+
+    from common.runtime import run
+
+    mnist = load_recipe("mnist")
     (tmp_path / "mine").mkdir()  # a folder the user made is theirs: it stays
-    res = launch(
-        ["recipes/mnist.py", "--dataset", "./nowhere", "--output_dir", tmp_path / "mine"],
-        launcher="python",
-    )
-    assert res.returncode == 2 and (tmp_path / "mine").is_dir()
+    for folder in ("new", "mine"):
+        argv = ["--dataset", "./nowhere", "--output_dir", str(tmp_path / folder)]
+        try:
+            with pytest.raises(SystemExit) as e:
+                run(mnist.main, mnist.Config, argv)
+        finally:
+            gc.unfreeze()  # run() froze what this process had made, as a recipe's process ends
+        assert e.value.code == 2
+    assert not (tmp_path / "new").exists() and (tmp_path / "mine").is_dir()

@@ -16,7 +16,7 @@ from recipe_module import load_recipe
 from common.checkpoint import load_weights
 from common.config import ConfigError, UserError, parse_config
 
-MNIST = "recipes/mnist.py"
+MNIST, SERVING = "recipes/mnist.py", "recipes/mnist_predict.py"
 HEADER = ["file", "label", "probability", "label_2", "probability_2", "label_3", "probability_3"]
 
 
@@ -51,13 +51,14 @@ def top_k(weights, paths, k=3):
 def test_predict_writes_one_row_per_file_in_order_the_same_on_two_processes(
     mnist_checkpoint, tiny_mnist, tmp_path
 ):
-    weights = mnist_checkpoint / "model.safetensors"  # as the recipe writes it (max_steps 2)
+    weights = mnist_checkpoint / "model.safetensors"  # as the recipe writes it (max_steps 13)
     paths = write_digits(tiny_mnist, tmp_path / "digits")
     (tmp_path / "digits" / "notes.txt").write_text("not an image: not listed")
     out = tmp_path / "csv" / "labels.csv"
+    # The serving file, as `recipes/mnist.py --predict` runs it in its own place (a launch of
+    # that: test_own_data.py's --check_data, and test_template_copies.py's exports).
     res = launch(
-        [MNIST, "--predict", tmp_path / "digits" / "*", "--weights", weights, "--predict_csv", out],
-        nproc=2,
+        [SERVING, "--weights", weights, tmp_path / "digits" / "*", "--predict_csv", out], nproc=2
     )
     assert_ok(res)
     assert f"wrote 7 predictions to {out}" in res.output, res

@@ -6,7 +6,6 @@ dataset's colours; the data check (--check_data); and MNIST's classes taken from
 
 import csv
 import re
-import shlex
 import subprocess
 
 import numpy as np
@@ -23,6 +22,7 @@ from layouts import (
     CAMVID_CLASSES,
     camvid_layout,
     carvana_layout,
+    flags_of,
     isic_layout,
     pet_layout,
     voc_layout,
@@ -72,11 +72,6 @@ LAYOUTS = {
         (63, 10),
     ),
 }
-
-
-def flags_of(error):
-    """The settings that an error's "read it with ..." names."""
-    return shlex.split(str(error).split("read it with ")[1])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -158,16 +153,12 @@ def test_class_names_are_a_list_or_a_file_and_name_what_is_ignored(tmp_path):
 
 
 def test_a_camvid_layout_trains_on_2_processes_with_its_class_names_and_colours(
-    unet, shapes, tmp_path
+    unet, camvid_two_processes, tmp_path
 ):
-    root = camvid_layout(shapes, tmp_path / "camvid")
-    with pytest.raises(DataError) as error:
-        list_pairs(unet.Config(dataset=str(root)))
-    # The flags the error names: Void, a class of class_dict.csv, is left out by its name.
-    args = [*flags_of(error.value), *TINY, "--smoke"]
-    out = tmp_path / "out"
-    res = launch([RECIPE, *args, "--output_dir", out], nproc=2, env=ONE_THREAD)
-    assert_ok(res)
+    # The shared run (conftest): the flags CamVid's first error names, and Void, a class of
+    # class_dict.csv, left out by its name. test_unet_training.py resumes it.
+    run = camvid_two_processes
+    root, out, res = run.root, run.out, run.res
     names = ["Animal", "Building", "Car", "Pole", "Sky"]
     assert (
         "classes: mask colours #408040,#800000,#400080,#c0c080,#808080 "
@@ -177,7 +168,7 @@ def test_a_camvid_layout_trains_on_2_processes_with_its_class_names_and_colours(
         "dice: per image, the mean over those of classes Animal, Building, Car, Pole in its mask "
         "or prediction; background: Sky (the most pixels;" in res.output
     ), res
-    (row,) = read_metrics(out)
+    row = read_metrics(out)[-1]
     assert list(row["iou_per_class"]) == names and list(row["dice_per_class"]) == names
     assert row["iou_per_class"]["Animal"] in (None, 0.0)  # in no mask
     record = read_record(out / "model.safetensors", "segmentation")
@@ -370,26 +361,19 @@ def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["pet", "isic", "carvana", "voc"])
-def test_each_layout_trains_predicts_and_resumes_with_the_flags_alone(
-    unet, shapes, tmp_path, layout
-):
-    build, _, _ = LAYOUTS[layout]
-    root = build(shapes, tmp_path / layout)
+def test_the_pet_layout_trains_resumes_and_predicts_with_the_flags_alone(unet, shapes, tmp_path):
+    root = pet_layout(shapes, tmp_path / "pet")
     with pytest.raises(DataError) as error:
         list_pairs(unet.Config(dataset=str(root)))
     args = [RECIPE, *flags_of(error.value), *TINY, "--output_dir", tmp_path / "out"]
-    if layout == "pet":  # stopped at step 4 of the first epoch, then resumed: mid-epoch
-        first = launch([*args, "--epochs", 1, "--max_steps", 4], launcher="python", env=ONE_THREAD)
-        assert_ok(first)
-        args += ["--resume", "latest"]
-    smoke = [] if layout == "pet" else ["--smoke"]
-    res = launch([*args, "--epochs", 1, *smoke], launcher="python", env=ONE_THREAD)
+    # Stopped at step 4 of the first epoch, then resumed: mid-epoch.
+    first = launch([*args, "--epochs", 1, "--max_steps", 4], launcher="python", env=ONE_THREAD)
+    assert_ok(first)
+    res = launch([*args, "--epochs", 1, "--resume", "latest"], launcher="python", env=ONE_THREAD)
     assert_ok(res)
-    if layout == "pet":
-        assert "resumed from" in res.output and "(epoch 1, step 4)" in res.output, res
+    assert "resumed from" in res.output and "(epoch 1, step 4)" in res.output, res
     (row,) = read_metrics(tmp_path / "out")
-    assert row["eval_samples"] == LAYOUTS[layout][2][1]
+    assert row["eval_samples"] == LAYOUTS["pet"][2][1]
     _, val = list_pairs(parse_config(unet.Config, flags_of(error.value)))
     image = val[0][0]
     predict_here(unet, tmp_path / "out" / "model.safetensors", image, tmp_path / "p")
@@ -397,6 +381,32 @@ def test_each_layout_trains_predicts_and_resumes_with_the_flags_alone(
     assert predicted.size == Image.open(val[0][1]).size
     record = read_record(tmp_path / "out" / "model.safetensors", "segmentation")
     assert set(np.unique(np.asarray(predicted)).tolist()) <= set(record["mask_values"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout, values",
+    [("isic", [0, 255]), ("carvana", [0, 1]), ("voc", [0, 1, 2, 3, 255])],
+    ids=["isic", "carvana", "voc"],
+)
+def test_each_layout_reads_as_training_reads_it_with_the_flags_alone(
+    unet, shapes, tmp_path, layout, values
+):
+    # Their JPEG images, and masks of 0/255 (ISIC), GIF (Carvana) and VOC's palette PNGs (the void
+    # band a class until --ignore_index 255 leaves it out, as its note says): every batch of the
+    # recipe's loaders, as its training and evaluation read them. What they then train and predict
+    # with is the recipe's, as for the Pet's above.
+    build, _, (_, n_val) = LAYOUTS[layout]
+    root = build(shapes, tmp_path / layout)
+    with pytest.raises(DataError) as error:
+        list_pairs(unet.Config(dataset=str(root)))
+    cfg = parse_config(unet.Config, [*flags_of(error.value), *map(str, TINY)])
+    data = unet.load_data(cfg, build_accelerator())
+    assert data.values == values and len(data.val_loader.dataset) == n_val, data
+    for loader in (data.train_loader, data.val_loader):
+        for x, y, *_ in loader:
+            assert x.dtype == torch.uint8 and x.shape[1] == 3 and x.shape[2:] == y.shape[1:]
+            assert 0 <= y.min() and y.max() < len(values)
 
 
 def test_dice_counts_only_the_classes_an_image_holds_or_is_predicted_to_hold(unet):

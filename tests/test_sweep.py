@@ -16,12 +16,11 @@ from conftest import start, wait_for
 
 import scripts.sweep as sweep
 
-EPOCHS = 6
+EPOCHS = 4
 
 
 def sweep_command(data, out, *more, trials=3, epochs=EPOCHS):
-    """A sweep over MNIST on tiny_mnist (8 steps an epoch): lr is 1.0 (learns) or 1e-4 (does
-    not); the sampler's seed 0 draws 1e-4, 1.0, then 1e-4 again from a fresh process."""
+    """A sweep over MNIST on tiny_mnist (8 steps an epoch)."""
     return [
         sys.executable,
         "scripts/sweep.py",
@@ -48,8 +47,9 @@ def sweep_command(data, out, *more, trials=3, epochs=EPOCHS):
 
 
 def start_sweep(command, threads=None):
-    """The sweep as a terminal starts it (conftest.start). threads: torch's in each trial (two
-    trials at once on 2 cores: 1 each, or they fight over the cores); None: accelerate's choice."""
+    """The sweep as a terminal starts it (conftest.start). threads: torch's in each trial (1: a
+    model this small gains nothing from a second, and two trials at once on 2 cores would fight
+    over them); None: accelerate's choice."""
     env = {"ACCELERATE_USE_CPU": "1"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -73,6 +73,9 @@ def launches(folder):
 
 
 def test_a_sweep_prunes_a_loser_and_continues_a_trial_cut_off_by_ctrl_c(tiny_mnist, tmp_path):
+    # lr is 1.0 (learns) or 1e-4 (does not): the sampler's seed 0 draws 1.0, then 1e-4. No
+    # pruning before epoch 2 (--prune_warmup), so the loser, cut off by Ctrl-C in its epoch 2,
+    # is pruned by the sweep that continues it: 3 launches in all.
     out = tmp_path / "sweep"
     command = sweep_command(
         tiny_mnist,
@@ -81,40 +84,41 @@ def test_a_sweep_prunes_a_loser_and_continues_a_trial_cut_off_by_ctrl_c(tiny_mni
         0,
         "--prune_after",
         1,
+        "--prune_warmup",
+        2,
         "--param",
-        "lr=choice:1.0,0.0001",
+        "lr=choice:0.0001,1.0",
         "--param",
         "gamma=uniform:0.5:0.9",
+        trials=2,
     )
-    # Ctrl-C once trial 1 (lr 1.0) has finished its first epoch: it stops at a checkpoint.
-    proc = start_sweep(command)
-    trial_1 = out / "trial-0001"
-    wait_for(lambda: (trial_1 / "metrics.jsonl").exists(), proc)
+    # Ctrl-C once trial 1 (lr 1e-4) has finished its first epoch: it stops at a checkpoint.
+    proc = start_sweep(command, threads=1)
+    trial_0, trial_1 = out / "trial-0000", out / "trial-0001"
+    wait_for(lambda: (trial_1 / "metrics.jsonl").exists(), proc, timeout=240)
     os.killpg(proc.pid, signal.SIGINT)
     code, output = finish(proc)
     assert code == 130, output
     assert "trial 1: stopped at a checkpoint" in output, output
     assert (trial_1 / "checkpoints").is_dir() and not (trial_1 / "model.safetensors").exists()
     assert epochs_of(trial_1) != list(range(1, EPOCHS + 1)), "trial 1 ended before Ctrl-C"
+    assert epochs_of(trial_0) == list(range(1, EPOCHS + 1))
 
-    # The same command continues: trial 1 from its checkpoint, then trial 2, which is pruned.
-    code, output = finish(start_sweep(command))
+    # The same command continues: trial 1 from its checkpoint, which the pruner then stops at
+    # another checkpoint, after its epoch 2.
+    code, output = finish(start_sweep(command, threads=1))
     assert code == 0, output
-    assert launches(trial_1)[1].endswith("--resume latest"), launches(trial_1)
-    assert "resumed from" in (trial_1 / "launch.log").read_text()
-    assert "step 0)" not in (trial_1 / "launch.log").read_text()  # not from scratch
-    assert epochs_of(trial_1) == list(range(1, EPOCHS + 1))
+    log = (trial_1 / "launch.log").read_text()
+    assert len(launches(trial_1)) == 2 and launches(trial_1)[1].endswith("--resume latest"), log
+    assert "resumed from" in log and "step 0)" not in log  # not from scratch
+    assert log.count("stopped at step") == 2, log  # by Ctrl-C, then by the pruner
+    assert "trial 1: pruned after epoch 2" in output, output
+    assert len(epochs_of(trial_1)) < EPOCHS
     table = output[output.index("trial  state") :].splitlines()
-    assert [row.split()[:2] for row in table[1:4]] == [
-        ["0", "complete"],
-        ["1", "complete"],
-        ["2", "pruned"],
-    ], output
-    assert len(epochs_of(out / "trial-0002")) < EPOCHS
-    assert len(launches(out / "trial-0002")) == 1
-    assert "stopped at step" in (out / "trial-0002" / "launch.log").read_text()  # a checkpoint
-    assert table[4] == f"best: trial 1, accuracy {table[2].split()[2]}:", output
-    assert table[5].strip() == without_port(launches(trial_1)[0]), output
+    assert [row.split()[:2] for row in table[1:3]] == [["0", "complete"], ["1", "pruned"]], output
+    assert len(launches(trial_0)) == 1
+    assert table[3] == f"best: trial 0, accuracy {table[1].split()[2]}:", output
+    assert table[4].strip() == without_port(launches(trial_0)[0]), output
     assert (out / "study.db").is_file()  # SQLite by default
 
 

@@ -22,6 +22,7 @@ from conftest import (
     changed_lines,
     copy_with_tiny_model,
     launch,
+    predict_here,
     read_metrics,
 )
 from layouts import image_and_mask, split_names, voc_layout
@@ -31,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from common.checkpoint import read_record
-from common.config import parse_config
+from common.config import ConfigError, parse_config
 from unet import read_trained
 
 RECIPE = "recipes/unet.py"
@@ -42,33 +43,30 @@ RECIPE = "recipes/unet.py"
 
 @pytest.mark.slow
 def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
+    # The copy trains on 1 process here, and on 2 in test_global_batch.py's fast tier (a copy
+    # with a model of its own that records its batches). Its --export runs the copy's serving
+    # file in its place; predict, that serving file's too, runs here.
     digits = tmp_path / "digits"  # 5 test digits as PNG files, for predict
     digits.mkdir()
     for i, image in enumerate(pq.read_table(tiny_mnist / "test.parquet")["image"][:5].to_pylist()):
         (digits / f"digit_{i}.png").write_bytes(image["bytes"])
-    weights = tmp_path / "two" / "model.safetensors"
+    weights = tmp_path / "one" / "model.safetensors"
     with copy_with_tiny_model() as copy:
         one = launch(
             [copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "one", "--smoke"],
             launcher="python",
         )
-        two = launch(
-            [copy, "--dataset", tiny_mnist, "--output_dir", tmp_path / "two", "--smoke"], nproc=2
-        )
+        assert_ok(one)
         # The model is made in one place: predict and export take the copy's own.
-        predicted = launch(
-            [copy, "--predict", digits / "*.png", "--weights", weights, "--output_dir", tmp_path],
-            launcher="python",
-        )
         exported = launch(
             [copy, "--dataset", tiny_mnist, "--export", "onnx", "--weights", weights],
             launcher="python",
         )
-    for res, out in ((one, "one"), (two, "two")):
-        assert_ok(res)
-        assert read_metrics(tmp_path / out)[0]["eval_samples"] == N_TEST
-        assert set(load_file(tmp_path / out / "model.safetensors")) == {"fc.weight", "fc.bias"}
-    assert_ok(predicted)
+        serving = load_recipe(f"{copy.stem}_predict")
+        argv = ["--predict", str(digits / "*.png"), "--weights", str(weights)]
+        serving.serve(parse_config(serving.Config, [*argv, "--output_dir", str(tmp_path)]))
+    assert read_metrics(tmp_path / "one")[0]["eval_samples"] == N_TEST
+    assert set(load_file(weights)) == {"fc.weight", "fc.bias"}
     with open(tmp_path / "predictions.csv", newline="") as f:
         rows = list(csv.reader(f))[1:]
     assert [row[0] for row in rows] == [str(digits / f"digit_{i}.png") for i in range(5)]
@@ -220,24 +218,22 @@ def test_a_unet_copy_with_its_own_model_and_data_trains_on_1_and_2_processes_pre
         args = [copy, "--dataset", root, "--val_split", "val", "--ignore_index", 255, *FAST]
         args += ["--base_channels", 8]
         train = [*args, "--smoke"]
-        one = launch([*train, "--output_dir", tmp_path / "one"], launcher="python", env=ONE_THREAD)
+        # On 2 processes; on 1, the grey copy below.
         two = launch([*train, "--output_dir", tmp_path / "two"], nproc=2, env=ONE_THREAD)
+        assert_ok(two)
         weights = tmp_path / "two" / "model.safetensors"
         image = root / "JPEGImages" / "shape_0000.jpg"
-        predicted = launch(
-            [copy, "--predict", image, "--weights", weights, "--predict_dir", tmp_path / "masks"],
-            launcher="python",
-        )
+        # --export runs the copy's serving file in its place; predict, that file's too, runs here.
         exported = launch([*args, "--export", "onnx", "--weights", weights], launcher="python")
-        refused = launch([*train, "--encoder", "resnet18"], launcher="python")
+        recipe = load_recipe(name)
+        predict_here(recipe, weights, image, tmp_path / "masks")
+        with pytest.raises(ConfigError, match="unknown setting 'encoder'"):  # the U-Net's went
+            parse_config(recipe.Config, [str(a) for a in [*train[1:], "--encoder", "resnet18"]])
     assert changed["unet"] == UNET_CHANGED_LINES and changed["unet_predict"] == 1
     assert changed["unet_data"] == VOC_CHANGED_LINES
     assert lint.returncode == 0, lint.stdout
-    assert "unknown setting 'encoder'" in refused.output, refused  # the U-Net's went with it
-    for res, out in ((one, "one"), (two, "two")):
-        assert_ok(res)
-        assert "classes: mask values 0,1,2,3; ignored: 255" in res.output, res
-        assert read_metrics(tmp_path / out)[0]["eval_samples"] == 10
+    assert "classes: mask values 0,1,2,3; ignored: 255" in two.output, two
+    assert read_metrics(tmp_path / "two")[0]["eval_samples"] == 10
     assert read_record(weights, "segmentation")["model"] == {  # the copy's MODEL_SETTINGS
         "in_channels": 3,
         "num_classes": 4,
@@ -245,7 +241,6 @@ def test_a_unet_copy_with_its_own_model_and_data_trains_on_1_and_2_processes_pre
     }
     with safe_open(weights, "pt") as f:
         assert {k.split(".")[0] for k in f.keys()} == {"body"}  # the copy's model, not the U-Net
-    assert_ok(predicted)
     mask = Image.open(tmp_path / "masks" / "shape_0000_mask.png")
     assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= {0, 1, 2, 3}
     assert_ok(exported)  # checked on the copy's own validation images
@@ -280,21 +275,18 @@ def test_a_unet_copy_for_grey_images_with_its_own_loss_trains_and_predicts(shape
         mask = np.asarray(Image.open(path))
         merged = np.where(mask == 255, 170, mask).astype(np.uint8)
         Image.fromarray(merged).save(root / "masks" / path.name)
-    with copied_unet(short_name(), recipe=source, model=model) as (copy, changed):
+    name = short_name()
+    with copied_unet(name, recipe=source, model=model) as (copy, changed):
         args = [copy, "--dataset", root, *FAST, "--base_channels", 8, "--smoke"]
         res = launch([*args, "--output_dir", tmp_path / "out"], launcher="python", env=ONE_THREAD)
+        assert_ok(res)
         weights = tmp_path / "out" / "model.safetensors"
-        image = shapes / "imgs" / "shape_0000.png"
-        predicted = launch(
-            [copy, "--predict", image, "--weights", weights, "--predict_dir", tmp_path / "masks"],
-            launcher="python",
-        )
+        image = shapes / "imgs" / "shape_0000.png"  # an RGB image, read in the weights' 1 channel
+        predict_here(load_recipe(name), weights, image, tmp_path / "masks")
     assert changed == {"unet": GREY_CHANGED_LINES, "unet_predict": 1, "unet_model": 1}
-    assert_ok(res)
     assert "; L images; " in res.output and "classes: mask values 0,85,170;" in res.output, res
     stored = read_trained(weights)
     assert stored["model"]["in_channels"] == 1 and stored["model"]["num_classes"] == 3
-    assert_ok(predicted)  # an RGB image, read in the weights' 1 channel
     mask = Image.open(tmp_path / "masks" / "shape_0000_mask.png")
     assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= {0, 85, 170}
 

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -23,18 +24,18 @@ from conftest import (
     SIZE,
     VAL_FRACTION,
     assert_ok,
-    error_lines,
     garble,
     launch,
+    predict_here,
     read_metrics,
     truncate,
 )
 from PIL import Image
+from recipe_module import load_recipe
 
 from common.data import DataError, colour_jitter, crop_and_flip, zoom_and_rotate
 from common.metrics import confusion_counts
 from common.segmentation_data import IGNORE, pad_collate, scan_pairs, value_count
-from unet import read_trained
 from unet_data import Pairs, list_pairs
 
 RECIPE = "recipes/unet.py"
@@ -169,22 +170,19 @@ def test_an_odd_mask_value_found_by_inference_is_named(bad_shapes, unet):
 
 
 @pytest.mark.slow
-def test_num_classes_comes_from_the_masks_in_the_carvana_layout(shapes, tmp_path):
+def test_num_classes_comes_from_the_masks_in_the_carvana_layout(unet, shapes, tmp_path):
     # imgs/ + masks/ whose masks hold 0 and 255, and no --num_classes: two classes, not an error.
+    from common.accelerator import build_accelerator
+
     root = tmp_path / "binary"
     shutil.copytree(shapes, root)
     for mask in (root / "masks").glob("*.png"):
         binary = np.where(np.asarray(Image.open(mask)) > 0, 255, 0).astype(np.uint8)
         Image.fromarray(binary).save(mask)
-    res = launch(
-        [RECIPE, "--dataset", root, "--output_dir", tmp_path / "out", "--smoke", *FAST],
-        launcher="python",
-        env=ONE_THREAD,
-    )
-    assert_ok(res)
-    assert "classes: mask values 0,255; outputs to" in res.output
-    stored = read_trained(tmp_path / "out" / "model.safetensors")
-    assert stored["model"]["num_classes"] == 2
+    cfg = unet.Config(dataset=str(root), val_fraction=VAL_FRACTION, num_workers=0)
+    data = unet.load_data(cfg, build_accelerator())
+    assert data.values == [0, 255] and data.num_classes == 2
+    assert "classes: mask values 0,255" in str(data)
 
 
 @pytest.mark.slow
@@ -234,20 +232,7 @@ def test_binary_masks_from_a_datasets_folder(shapes, tmp_path):
     (row,) = read_metrics(out)
     assert row["eval_samples"] == 11 and row["step"] == 5 and row["lr"] == LR
     assert 0 <= row["dice"] <= 1
-    res = launch(
-        [
-            RECIPE,
-            "--predict",
-            images[60],
-            "--weights",
-            out / "model.safetensors",
-            "--predict_dir",
-            out,
-        ],
-        launcher="python",
-        env=ONE_THREAD,
-    )
-    assert_ok(res)
+    predict_here(load_recipe("unet"), out / "model.safetensors", images[60], out)
     mask = Image.open(out / f"{images[60].stem}_mask.png")
     assert mask.size == (SIZE, SIZE) and set(np.unique(np.asarray(mask)).tolist()) <= {0, 255}
 
@@ -256,40 +241,21 @@ def test_binary_masks_from_a_datasets_folder(shapes, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_bad_file_found_by_the_scan_stops_both_ranks_with_one_line(unet, shapes, tmp_path):
-    shutil.copytree(shapes, tmp_path / "data")
-    bad = pair(unet, tmp_path / "data", 1, 0)  # rank 1's: its message reaches rank 0, gathered
-    garble(bad)
-    res = launch(
-        [
-            RECIPE,
-            "--dataset",
-            tmp_path / "data",
-            "--output_dir",
-            tmp_path / "out",
-            "--smoke",
-            "--num_workers",
-            0,
-            *UNET_FAST,
-        ],
-        nproc=2,
-        env=ONE_THREAD,
-        timeout=120,
-    )
-    errors = error_lines(res)
-    assert len(errors) == 1 and f"cannot read image {bad} (" in errors[0], res
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("change", [truncate, garble], ids=["truncated mask", "garbage mask"])
-def test_a_bad_mask_found_by_the_scan_is_named(change, unet, shapes, tmp_path):
-    # What the scan says; the launch above shows that what rank 1 finds reaches the user once.
+@pytest.mark.parametrize(
+    "which, change",
+    [(1, truncate), (1, garble), (0, garble)],
+    ids=["truncated mask", "garbage mask", "garbage image"],
+)
+def test_a_bad_file_found_by_the_scan_is_named(which, change, unet, shapes, tmp_path):
+    # What the scan says; rank 1's file, whose problem reaches rank 0 through the same gather as
+    # a mask value's (test_a_mask_value_outside_mask_values_stops_every_rank_with_one_line).
     from common.accelerator import build_accelerator
 
     shutil.copytree(shapes, tmp_path / "data")
-    bad = pair(unet, tmp_path / "data", 1, 1)
+    bad = pair(unet, tmp_path / "data", 1, which)
     change(bad)
-    with pytest.raises(DataError, match=re.escape(f"cannot read mask {bad} (")):
+    kind = ("image", "mask")[which]
+    with pytest.raises(DataError, match=re.escape(f"cannot read {kind} {bad} (")):
         scan_pairs(
             build_accelerator(),
             [
@@ -312,30 +278,26 @@ def truncated_image(unet, shapes, tmp_path):
     return tmp_path / "data", bad
 
 
+def read_every_batch(unet, root, **settings):
+    """load_data() of the recipe, and every batch of its loaders read, as training and evaluation
+    read them."""
+    from common.accelerator import build_accelerator
+
+    cfg = unet.Config(dataset=str(root), val_fraction=0.2, batch_size=4, eval_batch_size=4)
+    data = unet.load_data(replace(cfg, **settings), build_accelerator())
+    for loader in (data.train_loader, data.val_loader):
+        for _ in loader:
+            pass
+
+
 @pytest.mark.slow
-def test_a_truncated_image_stops_with_one_line_without_workers(truncated_image, tmp_path):
+def test_a_truncated_image_is_named_when_the_loader_reads_it(unet, truncated_image):
+    # In the training process (no workers); a worker's: below. A launch prints it as one line
+    # (test_mnist_bad_data.py's 2-process launch).
     root, bad = truncated_image
-    res = launch(
-        [
-            RECIPE,
-            "--dataset",
-            root,
-            "--output_dir",
-            tmp_path / "out",
-            "--smoke",
-            "--num_workers",
-            0,
-            "--cache_images",
-            "false",
-            *UNET_FAST,
-        ],
-        launcher="python",
-        env=ONE_THREAD,
-    )
-    assert res.returncode == 2 and "Traceback" not in res.output, res  # after the start-up lines:
-    assert error_lines(res) == [
-        f"error: cannot read image {bad} (image file is truncated): fix or remove the file"
-    ]
+    message = f"cannot read image {bad} (image file is truncated): fix or remove the file"
+    with pytest.raises(DataError, match=re.escape(message)):
+        read_every_batch(unet, root, num_workers=0, cache_images=False)
 
 
 @pytest.mark.slow
@@ -379,32 +341,14 @@ def test_a_truncated_image_read_by_a_worker_is_named_and_the_run_exits_at_once(
 
 
 @pytest.mark.slow
-def test_a_truncated_image_stops_both_ranks_with_one_line_as_they_fill_the_cache(
-    truncated_image, tmp_path
-):
-    # Every process decodes every image into its cache, in the same order: both find the same
-    # first bad file before training, and rank 0 says it.
+def test_a_truncated_image_is_named_as_the_cache_fills(unet, truncated_image):
+    # Every process decodes every image into its cache, in the same order, before training: each
+    # finds the same first bad file, and rank 0 says it, as MNIST's decoding does (2 processes:
+    # test_mnist_bad_data.py).
     root, bad = truncated_image
-    res = launch(
-        [
-            RECIPE,
-            "--dataset",
-            root,
-            "--output_dir",
-            tmp_path / "out",
-            "--smoke",
-            "--cache_images",
-            "true",
-            *UNET_FAST,
-        ],
-        nproc=2,
-        env=ONE_THREAD,
-        timeout=120,
-    )
-    assert error_lines(res) == [
-        f"error: cannot read image {bad} (image file is truncated): fix or remove the file"
-    ]
-    assert "unet: " not in res.output, res  # stopped before the start-up line: no training began
+    message = f"cannot read image {bad} (image file is truncated): fix or remove the file"
+    with pytest.raises(DataError, match=re.escape(message)):
+        read_every_batch(unet, root, num_workers=0, cache_images=True)
 
 
 # ---- Images of mixed sizes, and padding ----
@@ -445,8 +389,9 @@ def test_padding_changes_neither_the_loss_nor_the_dice_counts(unet, num_classes)
 
 
 def epoch_batches(unet, cfg, epoch):
-    """The training batches of an epoch, from the recipe's loader as its main() builds it, and
-    augmented as its train_one_epoch() augments them."""
+    """The training batches of an epoch, from the recipe's loader as its main() builds it, with
+    the settings it settles (hflip auto among them), and augmented as its train_one_epoch()
+    augments them."""
     from common.accelerator import build_accelerator
 
     cfg, data, _ = unet.settle(cfg, build_accelerator())  # hflip auto settled as main() does

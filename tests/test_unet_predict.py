@@ -3,6 +3,7 @@ image's own size in the mask values, one line that says why where weights do not
 of any size (predict_tile) and with flips (predict_flip) from a tiny U-Net trained at its images'
 own size."""
 
+import gc
 import json
 import re
 import shutil
@@ -18,7 +19,6 @@ from conftest import (
     SIZE,
     VALUES,
     assert_ok,
-    error_lines,
     launch,
     make_shapes,
     predict_here,
@@ -28,6 +28,7 @@ from recipe_module import load_recipe
 
 from common.config import ConfigError, UserError, parse_config
 from common.inference import segment, tiled
+from common.runtime import run_serving
 from unet import read_trained
 
 RECIPE = "recipes/unet.py"
@@ -95,21 +96,19 @@ def test_weights_of_an_older_recipe_version_say_to_train_again(
 ):
     # Weights files written before the settings became one JSON entry (one key each), or before
     # the record held in_channels: one line that says to train again, not a traceback or a
-    # wrong model.
+    # wrong model (the one line of a user error: test_config.py's launch).
     from safetensors.torch import load_file, save_file
 
     weights = trained_unet[0] / "model.safetensors"
     old = tmp_path / "old.safetensors"
     one_key_each = {"recipe": "unet", "mask_values": "0,85,170,255", "num_classes": "4"}
     save_file(load_file(weights), old, metadata=one_key_each)
-    res = launch(
-        [RECIPE, "--predict", shapes / "imgs" / "shape_0000.png", "--weights", old],
-        launcher="python",
+    message = (
+        f"{old} holds no settings of this recipe: predict and export need a model.safetensors "
+        f"that its training wrote (train again if an older version wrote it)"
     )
-    assert res.returncode == 2 and res.output.strip().splitlines() == [
-        f"error: {old} holds no settings of this recipe: predict and export need a "
-        f"model.safetensors that its training wrote (train again if an older version wrote it)"
-    ], res
+    with pytest.raises(UserError, match=re.escape(message)):  # what predict and export meet
+        predict_here(unet, old, shapes / "imgs" / "shape_0000.png", tmp_path / "masks")
     record = read_trained(weights)
     del record["model"]["in_channels"]
     save_file(load_file(weights), old, {"segmentation": json.dumps(record)})
@@ -120,8 +119,7 @@ def test_weights_of_an_older_recipe_version_say_to_train_again(
 
 @pytest.mark.slow
 def test_weights_that_do_not_fit_say_why_in_one_short_line(trained_unet, unet, tmp_path):
-    # What main() calls with --weights, before and after the data; the launch of
-    # test_weights_saved_with_one_key_per_setting_say_to_train_again shows such a line printed.
+    # What main() calls with --weights, before and after the data.
     from safetensors.torch import save_file
 
     from common.checkpoint import fit_to_record, load_weights
@@ -204,16 +202,6 @@ def dice(res):
     return float(re.search(r"^dice ([0-9.]+), miou [0-9.]+ on \d+ validation", res.output, re.M)[1])
 
 
-def predict(weights, images, out, *args):
-    res = launch(
-        [RECIPE, "--predict", images, "--weights", weights, "--predict_dir", out, *args],
-        launcher="python",
-        env=ONE_THREAD,
-    )
-    assert_ok(res)
-    return res
-
-
 @pytest.mark.slow
 def test_tiled_and_whole_predictions_agree(native, tmp_path):
     # A 192x256 mosaic of 3 x 4 training images: shapes at the scale the model learned, so that it
@@ -224,10 +212,10 @@ def test_tiled_and_whole_predictions_agree(native, tmp_path):
     (tmp_path / "in").mkdir()
     rows = [np.concatenate(images[r * 4 : r * 4 + 4], 1) for r in range(3)]
     Image.fromarray(np.concatenate(rows)).save(tmp_path / "in" / "mosaic.png")
-    predict(native.weights, tmp_path / "in" / "mosaic.png", tmp_path / "whole")
-    predict(
-        native.weights, tmp_path / "in" / "mosaic.png", tmp_path / "tiled", "--predict_tile", 64
-    )
+    unet = load_recipe("unet")
+    predict_here(unet, native.weights, tmp_path / "in" / "mosaic.png", tmp_path / "whole")
+    mosaic = tmp_path / "in" / "mosaic.png"
+    predict_here(unet, native.weights, mosaic, tmp_path / "tiled", "--predict_tile", 64)
     whole, tiles = (
         np.asarray(Image.open(tmp_path / kind / "mosaic_mask.png")) for kind in ("whole", "tiled")
     )
@@ -354,7 +342,9 @@ def test_flipped_views_are_averaged_as_logits(unet):
 
 
 @pytest.mark.slow
-def test_the_serving_file_runs_on_its_own_as_the_recipe_runs_it(trained_unet, shapes, tmp_path):
+def test_the_serving_file_runs_on_its_own_as_the_recipe_runs_it(
+    trained_unet, shapes, tmp_path, monkeypatch, capsys
+):
     # python recipes/unet_predict.py --weights W "photos/*.jpg", as milesial's predict.py runs:
     # the same masks as the recipe's --predict (predict_here), and one line for a run that
     # would train.
@@ -370,8 +360,16 @@ def test_the_serving_file_runs_on_its_own_as_the_recipe_runs_it(trained_unet, sh
     for name in ("shape_0000", "shape_0001", "shape_0002"):
         mask = f"{name}_mask.png"
         assert (tmp_path / "a" / mask).read_bytes() == (tmp_path / "b" / mask).read_bytes()
-    training = launch(["recipes/unet_predict.py", "--epochs", 2], launcher="python")
-    assert error_lines(training) == [
+    # As its __main__ runs it: a run that would train is one line, exit status 2.
+    serving = load_recipe("unet_predict")
+    monkeypatch.setattr(sys, "argv", ["recipes/unet_predict.py", "--epochs", "2"])
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            run_serving(serving.serve, serving.Config, recipe="unet", script=serving.__file__)
+    finally:
+        gc.unfreeze()  # run() froze what this process had made, as a process's end does
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (
         "error: unet_predict.py predicts (an image glob), exports (--export onnx) or checks the "
-        "data (--check_data); train with unet.py"
-    ], training
+        "data (--check_data); train with unet.py\n"
+    )
