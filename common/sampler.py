@@ -36,6 +36,7 @@ the loop:
 """
 
 import numpy as np
+import torch
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, Sampler
 
@@ -405,12 +406,14 @@ def rounded_lengths(lengths, per_octave=32, multiple=8):
     return -(-lengths // step) * step
 
 
-def sharded_loader(dataset, batch_sampler, accelerator, collate_fn=None, num_workers=0):
+def sharded_loader(dataset, batch_sampler, accelerator, collate_fn=None, num_workers=0, seed=0):
     """A DataLoader of a batch sampler that yields this rank's batches already (a
     GlobalBucketSampler, or a BucketBatchSampler), on the accelerator's device, as bucket_loader
     makes one: prepared with num_processes=1, so that Accelerate does not deal the batches out
     again, and still gets set_epoch, skip_first_batches and the end-of-epoch signal for gradient
-    accumulation. Pinned memory on a GPU."""
+    accumulation. Pinned memory on a GPU. Its own generator (seeded by `seed`): starting an
+    epoch draws nothing from the global RNG, so a resumed run draws the same dropout masks as an
+    uninterrupted one (a DataLoader without one takes its workers' seed from the global RNG)."""
     loader = DataLoader(
         dataset,
         batch_sampler=batch_sampler,
@@ -419,6 +422,7 @@ def sharded_loader(dataset, batch_sampler, accelerator, collate_fn=None, num_wor
         persistent_workers=num_workers > 0,  # not restarted every epoch
         worker_init_fn=ignore_stop_signals,  # Ctrl-C is the training process's to handle
         pin_memory=accelerator.device.type == "cuda",
+        generator=torch.Generator().manual_seed(seed),
     )
     return prepare_data_loader(
         loader,

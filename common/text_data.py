@@ -26,8 +26,8 @@ import torch
 
 from common.data import DATA_SUFFIXES, DataError, load_splits, seeded_loader
 from common.sampler import (
+    BucketBatchSampler,
     GlobalBucketSampler,
-    bucket_loader,
     rounded_lengths,
     sharded_loader,
 )
@@ -215,9 +215,11 @@ def table_documents(rows, text_column, label_column, classes, where):
     (as the training split has them) stops with a DataError."""
     import datasets
 
-    by_name = isinstance(rows.features[label_column], datasets.Value) and (
-        rows.features[label_column].dtype in ("string", "large_string")
-    )
+    feature = rows.features[label_column]
+    if isinstance(feature, datasets.ClassLabel):  # its names are the classes, by index
+        names = feature.names
+    else:  # names, or ints 0.. named "0".."N"
+        names = None
     index = {name: i for i, name in enumerate(classes)}
     docs = Documents()
     for i, (text, label) in enumerate(zip(rows[text_column], rows[label_column])):
@@ -233,7 +235,7 @@ def table_documents(rows, text_column, label_column, classes, where):
                 f"{name}'s column {text_column!r} holds {type(text).__name__}, not text: check "
                 f"--text_column"
             )
-        key = label if by_name else str(label)
+        key = names[label] if names else str(label)
         if key not in index:
             raise DataError(
                 f"{name} has label {label!r}, which the training split never has (it has "
@@ -453,16 +455,16 @@ def test_loader_by_length(test_set, *, accelerator, max_batch_tokens, batch_size
     and batch_size documents), every document on exactly one process once, no padding: the
     processes may hold different numbers of batches, so evaluate with no collective per batch
     and reduce the sums once (common/sampler.py)."""
-    return bucket_loader(
-        test_set,
+    sampler = BucketBatchSampler(
         test_set.sizes(),
         max_batch_tokens,
-        accelerator,
-        train=False,
+        accelerator.num_processes,
+        accelerator.process_index,
+        shuffle=False,
         max_batch_size=batch_size,
-        collate_fn=tuple,
-        num_workers=num_workers,
+        even_batches=False,
     )
+    return sharded_loader(test_set, sampler, accelerator, collate_fn=tuple, num_workers=num_workers)
 
 
 # ---- The data check's picture ----

@@ -62,20 +62,12 @@ def check_model_settings(cfg):
 def build_model(settings, num_classes):
     """The model that `settings` (MODEL_SETTINGS) describe, with an output per class."""
     vocab = Tokenizer.vocab_of(settings)
+    width, depth, dropout = settings["width"], settings["depth"], settings["dropout"]
     if settings["model"] == "cnn":
-        return ByteCNN(
-            vocab, num_classes, settings["width"], settings["depth"], settings["dropout"]
-        )
+        return ByteCNN(vocab, num_classes, width, depth, dropout)
     patch = PATCH if settings["tokenizer"] == "bytes" else 1
-    return Transformer(
-        vocab,
-        num_classes,
-        width=settings["width"],
-        depth=settings["depth"],
-        dropout=settings["dropout"],
-        positions=-(-settings["max_length"] // PAD_MULTIPLE) * PAD_MULTIPLE // patch,
-        patch=patch,
-    )
+    positions = -(-settings["max_length"] // PAD_MULTIPLE) * PAD_MULTIPLE // patch
+    return Transformer(vocab, num_classes, width, depth, dropout, positions, patch)
 
 
 def length_axis(max_length):
@@ -148,7 +140,7 @@ class Transformer(nn.Module):
     strided convolution of their embeddings; 1: a position per token), with learned position
     embeddings, and the mean over the document's positions."""
 
-    def __init__(self, vocab, num_classes, *, width, depth, dropout, positions, patch):
+    def __init__(self, vocab, num_classes, width, depth, dropout, positions, patch):
         super().__init__()
         self.patch = patch
         self.embed = nn.Embedding(vocab, width if patch == 1 else 32, padding_idx=PAD)
