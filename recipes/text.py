@@ -11,6 +11,7 @@ recipe; `# ADAPT:` marks what to change: here, in text_data.py (the data) and te
 (the model and its input).
 """
 
+import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +29,7 @@ from common.accelerator import (
     accelerator_for,
     close,
     describe,
+    from_main_process,
     fused_kernels,
     launched_processes,
 )
@@ -67,6 +69,7 @@ from text_model import (  # ADAPT: your model
     build_model,
     check_model_settings,
     describe_model,
+    encoder_config,
 )
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
@@ -87,7 +90,8 @@ class Config(RunConfig):
     tokenizer: str = "bytes"  # bytes: any encoding, no vocabulary; bpe: subwords (tokenizers)
     vocab_size: int = 8000  # bpe: the subwords, trained on the training split
     max_length: int = 8192  # tokens (bytes) kept of each document, its start; 0: whole documents
-    model: str = "cnn"  # cnn: ByteCNN; transformer: a small encoder (docs/text.md: which, why)
+    model: str = "cnn"  # cnn: ByteCNN; transformer: a small encoder; pretrained (docs/text.md)
+    pretrained: str = ""  # model pretrained: a Hugging Face encoder, hub name or folder
     width: int = 64  # channels (cnn) or model dimension (transformer, a multiple of 32)
     depth: int = 2  # convolutions (cnn) or encoder layers (transformer)
     dropout: float = 0.1
@@ -156,11 +160,10 @@ class TextData:
     notes: list
 
 
-def load_data(cfg, accelerator, trained=None):
+def load_data(cfg, accelerator, trained=None, checkpoint=None):
     """The documents of --dataset (text_data.py), checked, as token ids: every process reads them
     all (bad data stops all alike). trained: the record of --weights, whose classes the data
-    must have and whose tokenizer it uses; else a bpe tokenizer is trained on the training split
-    (on the main process, and kept in output_dir for a resume)."""
+    must have; the tokenizer: make_tokenizer()'s."""
     train, test, classes, notes = list_documents(cfg)
     if trained and trained["classes"] != classes:
         raise DataError(
@@ -168,10 +171,7 @@ def load_data(cfg, accelerator, trained=None):
             f"{cfg.dataset} has {', '.join(classes)}: train on data with the same classes"
         )
     notes = notes + check_splits(train, test, classes)
-    if trained:
-        tokenizer = Tokenizer.from_record(trained["tokenizer"], cfg.max_length)
-    else:
-        tokenizer = Tokenizer.trained(model_settings(cfg), train.texts)
+    tokenizer = make_tokenizer(cfg, accelerator, train.texts, trained, checkpoint)
     whole = tokenizer.encode(train.texts, whole=True)
     notes.insert(0, cut_note([len(t) for t in whole], cfg.max_length, tokenizer.unit()))
     cut = slice(cfg.max_length or None)
@@ -183,6 +183,21 @@ def load_data(cfg, accelerator, trained=None):
             drawn[: cfg.overfit_samples(accelerator.num_processes)]
         )
     return TextData(train_set, test_set, classes, tokenizer, notes)
+
+
+def make_tokenizer(cfg, accelerator, texts, trained=None, checkpoint=None):
+    """The tokenizer of the weights file (`trained`: its record), or of the checkpoint that the
+    run resumes from, whose trainer_state.json holds it: the same subwords, always. Else a new
+    one: bytes, or bpe trained on the training documents `texts` on the main process, and sent
+    to the others (training on each could break ties differently)."""
+    if trained:
+        return Tokenizer.from_record(trained["tokenizer"], cfg.max_length)
+    state = Path(checkpoint or "") / "trainer_state.json"
+    if checkpoint and state.is_file():  # else resume_training says what is wrong with it
+        return Tokenizer.from_record(json.loads(state.read_text())["tokenizer"], cfg.max_length)
+    settings = model_settings(cfg)
+    record = from_main_process(accelerator, lambda: Tokenizer.trained(settings, texts).record())
+    return Tokenizer.from_record(record, cfg.max_length)
 
 
 def resolved(cfg, data):
@@ -235,6 +250,21 @@ def batches_line(cfg):
     )
 
 
+def make_optimizer(model, cfg, *, lr, accelerator):
+    """AdamW with fused kernels where they work: one update for all the weights (fused_kernels)."""
+    return torch.optim.AdamW(
+        model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=fused_kernels(accelerator)
+    )
+
+
+def make_scheduler(optimizer, cfg):
+    """cosine: to 0 at the run's last optimizer step (its T_max is set by fit_schedule, also on a
+    resume); constant: the lr throughout."""
+    if cfg.scheduler == "cosine":
+        return CosineAnnealingLR(optimizer, T_max=1)
+    return LambdaLR(optimizer, lambda step: 1.0)
+
+
 # The settings that fix each process's batches: a mid-epoch checkpoint resumes only with these.
 DATA_ORDER = (
     "dataset",
@@ -252,9 +282,9 @@ DATA_ORDER = (
 )
 
 
-def save(accelerator, cfg, *, progress, scheduler, classes):
+def save(accelerator, cfg, *, progress, scheduler, data):
     """A checkpoint: Accelerate's state, the position in the data, the LR schedule, DATA_ORDER,
-    and the class names, which a resume needs the same."""
+    and what a resume needs the same: the class names and the tokenizer."""
     save_training(
         accelerator,
         cfg,
@@ -262,13 +292,16 @@ def save(accelerator, cfg, *, progress, scheduler, classes):
         scheduler=scheduler,
         recipe=NAME,
         data_order=DATA_ORDER,
-        classes=classes,
+        **same_data(data),
     )
 
 
-def train_one_epoch(
-    model, loader, optimizer, *, scheduler, accelerator, cfg, progress, ema, classes
-):
+def same_data(data):
+    """What a checkpoint records of the data, which a resume must find the same."""
+    return {"classes": data.classes, "tokenizer": data.tokenizer.record()}
+
+
+def train_one_epoch(model, loader, optimizer, *, scheduler, accelerator, cfg, progress, ema, data):
     """One pass over this process's batches, or their rest after a resume. `progress` counts the
     batches and steps, says when to log, checkpoint and stop, and sums up the epoch; `tokens`
     counts the real and padded tokens (train_tokens_per_s, padding)."""
@@ -295,7 +328,7 @@ def train_one_epoch(
         if progress.log_due:
             accelerator.log(progress.train_scalars(optimizer), step=progress.step)
         if progress.checkpoint_due:  # every checkpoint_every_steps, and before stopping
-            save(accelerator, cfg, progress=progress, scheduler=scheduler, classes=classes)
+            save(accelerator, cfg, progress=progress, scheduler=scheduler, data=data)
         if progress.stopping:  # max_steps, or Ctrl-C / SIGTERM on any rank
             break
     return {**progress.epoch_metrics(), **tokens.compute()}
@@ -341,7 +374,7 @@ def main(cfg):
     trained = read_trained(cfg.weights)  # --weights: its model settings, classes, tokenizer
     if trained:
         cfg = fit_to_record(cfg, trained["model"], MODEL_SETTINGS, path=cfg.weights, inferred=())
-    data = load_data(cfg, accelerator, trained)
+    data = load_data(cfg, accelerator, trained, checkpoint)
     cfg = resolved(cfg, data)  # settled here, once: config.yaml records it as trained
     train_loader, test_loader = make_loaders(cfg, data, accelerator)
     metrics = start_logging(accelerator, cfg, NAME, checkpoint=checkpoint)
@@ -351,15 +384,10 @@ def main(cfg):
     model = build_model(settings, len(data.classes))
     load_weights(model, cfg.weights)  # --weights, if given
     lr = cfg.scaled_lr(accelerator.num_processes)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=fused_kernels(accelerator)
-    )
+    optimizer = make_optimizer(model, cfg, lr=lr, accelerator=accelerator)
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
     ema = EMA.of(model, accelerator, cfg.ema_decay)  # the weights' moving average; None if 0
-    if cfg.scheduler == "cosine":
-        scheduler = CosineAnnealingLR(optimizer, T_max=1)  # T_max: fit_schedule() below
-    else:
-        scheduler = LambdaLR(optimizer, lambda step: 1.0)
+    scheduler = make_scheduler(optimizer, cfg)
     sizes = f"{len(data.train_set)} train / {len(data.test_set)} test documents"
     accelerator.print(
         f"{NAME}: {describe(accelerator, batches_line(cfg), cfg.global_batch_size)}; "
@@ -381,13 +409,14 @@ def main(cfg):
             scheduler=scheduler,
             recipe=NAME,
             data_order=DATA_ORDER,
-            classes=data.classes,
+            **same_data(data),
         )
     # common/schedule.py: the LR schedule ends where the run ends, also after a resume.
     fit_schedule(
         scheduler, cfg, progress, batches_per_epoch=len(train_loader), checkpoint=checkpoint
     )
     record = {"model": settings, "classes": data.classes, "tokenizer": data.tokenizer.record()}
+    record["encoder"] = encoder_config(accelerator.unwrap_model(model))  # pretrained: its config
     stored = record_metadata(RECORD, record, recipe=NAME)  # in every weights file, for predict
 
     # 5. Train, evaluating after every epoch.
@@ -405,7 +434,7 @@ def main(cfg):
             cfg=cfg,
             progress=progress,
             ema=ema,
-            classes=data.classes,
+            data=data,
         )
         if progress.interrupted:
             break
@@ -420,7 +449,7 @@ def main(cfg):
                     out / "best.safetensors",
                     metadata={**stored, "epoch": epoch, **result},
                 )
-            save(accelerator, cfg, progress=progress, scheduler=scheduler, classes=data.classes)
+            save(accelerator, cfg, progress=progress, scheduler=scheduler, data=data)
         metrics.write(
             epoch=epoch, step=progress.step, lr=lr, **train, **result, eval_peak_memory_mb=eval_peak
         )

@@ -7,12 +7,18 @@ max pool between them, and the maximum of each channel over the document's posit
 Transformer: a small pre-norm encoder; on bytes it reads `patch` bytes per position (a strided
 convolution), so that a document of 8,192 bytes is 1,024 positions.
 
-Both ignore padding exactly: the logits of a document are the same alone and in a padded batch
+PretrainedEncoder: a Hugging Face encoder by name or folder (AutoModelForSequenceClassification,
+the `transformers` package), fine-tuned, with its own tokenizer.
+
+All ignore padding exactly: the logits of a document are the same alone and in a padded batch
 (token 0 is padding, never a byte or a subword), so bucketed and padded batches, evaluation and
 predict agree. The input: `Tokenizer` turns documents (bytes) into token ids, raw bytes by
 default, or subwords of a BPE vocabulary trained on the training split (the `tokenizers`
-package), which the weights file records.
+package), or the pretrained encoder's own; the weights file records it.
 """
+
+import importlib
+import json
 
 import numpy as np
 import torch
@@ -23,8 +29,9 @@ from common.config import UserError, require
 
 # ADAPT: your model: the Config fields that build it and its input, recorded in the weights file
 # so that predict and export rebuild both without flags.
-MODEL_SETTINGS = ("model", "tokenizer", "vocab_size", "max_length", "width", "depth", "dropout")
-MODELS = ("cnn", "transformer")
+MODEL_SETTINGS = ("model", "pretrained", "tokenizer", "vocab_size", "max_length", "width", "depth")
+MODEL_SETTINGS += ("dropout",)
+MODELS = ("cnn", "transformer", "pretrained")
 TOKENIZERS = ("bytes", "bpe")
 PATCH = 8  # transformer on bytes: bytes per position
 PAD = 0  # the padding token
@@ -57,14 +64,25 @@ def check_model_settings(cfg):
         cfg.tokenizer != "bpe" or cfg.vocab_size >= 300,
         f"vocab_size must be at least 300 for bpe (256 bytes and merges), got {cfg.vocab_size}",
     )
+    require(
+        (cfg.model == "pretrained") == bool(cfg.pretrained),
+        "model pretrained fine-tunes the encoder that --pretrained names (a hub name or a "
+        "folder): give both, or neither",
+    )
 
 
-def build_model(settings, num_classes):
-    """The model that `settings` (MODEL_SETTINGS) describe, with an output per class."""
+def build_model(settings, num_classes, encoder=None):
+    """The model that `settings` (MODEL_SETTINGS) describe, with an output per class. encoder:
+    a pretrained encoder's configuration (JSON, encoder_config()) to build it from, with no
+    download (predict, export); None: model pretrained loads it and its weights by name."""
     vocab = Tokenizer.vocab_of(settings)
     width, depth, dropout = settings["width"], settings["depth"], settings["dropout"]
     if settings["model"] == "cnn":
         return ByteCNN(vocab, num_classes, width, depth, dropout)
+    if settings["model"] == "pretrained":
+        return PretrainedEncoder(
+            settings["pretrained"], num_classes, settings["max_length"], encoder
+        )
     patch = PATCH if settings["tokenizer"] == "bytes" else 1
     positions = -(-settings["max_length"] // PAD_MULTIPLE) * PAD_MULTIPLE // patch
     return Transformer(vocab, num_classes, width, depth, dropout, positions, patch)
@@ -163,15 +181,57 @@ class Transformer(nn.Module):
         return self.head(h.sum(1) / lengths[:, None].clamp(min=1))  # logits
 
 
+class PretrainedEncoder(nn.Module):
+    """A Hugging Face encoder with a classification head of `num_classes` outputs
+    (AutoModelForSequenceClassification), from its name or folder with its pretrained weights,
+    or from `config` (its JSON) alone. It takes the recipe's token ids: its own ids plus 1,
+    0 for padding, which its attention mask leaves out."""
+
+    def __init__(self, name, num_classes, max_length, config=None):
+        super().__init__()
+        transformers = _package("transformers", "model pretrained")
+        transformers.logging.set_verbosity_error()  # not its table of the head's new weights
+        auto = transformers.AutoModelForSequenceClassification
+        if config is None:
+            try:
+                self.net = auto.from_pretrained(name, num_labels=num_classes)
+            except OSError as e:
+                raise UserError(
+                    f"cannot load the pretrained encoder {name!r} ({str(e).splitlines()[0]}): "
+                    f"give a hub name (with internet) or a folder that save_pretrained wrote"
+                ) from None
+        else:
+            settings = transformers.AutoConfig.for_model(**json.loads(config))
+            self.net = auto.from_config(settings)
+        positions = getattr(self.net.config, "max_position_embeddings", None)
+        if positions and max_length > positions or not max_length:
+            raise UserError(
+                f"max_length {max_length} does not fit the encoder {name!r}, which reads "
+                f"{positions} positions: set --max_length {positions} (or less)"
+            )
+
+    def forward(self, tokens):
+        mask = tokens != PAD
+        return self.net(input_ids=(tokens - 1).clamp(min=0), attention_mask=mask.long()).logits
+
+
+def encoder_config(model):
+    """A PretrainedEncoder's configuration as JSON, for the weights file's record (build_model
+    rebuilds it from there); None for the recipe's own models."""
+    return model.net.config.to_json_string() if isinstance(model, PretrainedEncoder) else None
+
+
 # ADAPT: your input: documents (bytes) -> token ids, the same in training, predict and export.
 class Tokenizer:
     """Documents as token ids, cut at max_length tokens (0: whole). bytes: byte b is token b + 1
     (any encoding, no vocabulary). bpe: a byte-pair vocabulary of vocab_size subwords trained on
     the training documents (trained()), over their bytes read as latin-1 (a character per byte,
-    so nothing is undecodable); its JSON goes into the weights file's record (record())."""
+    so nothing is undecodable). pretrained: the encoder's own tokenizer, over the text read as
+    UTF-8 (bytes that are not: U+FFFD), its ids plus 1. record() keeps what rebuilds it in the
+    weights file (from_record())."""
 
-    def __init__(self, kind, max_length, bpe=None):
-        self.kind, self.max_length, self.bpe = kind, max_length, bpe
+    def __init__(self, kind, max_length, subwords=None):
+        self.kind, self.max_length, self.subwords = kind, max_length, subwords
 
     @staticmethod
     def vocab_of(settings):
@@ -180,9 +240,19 @@ class Tokenizer:
     @classmethod
     def trained(cls, settings, texts):
         """The tokenizer that `settings` name; bpe: trained on `texts`."""
+        if settings["model"] == "pretrained":
+            transformers = _package("transformers", "model pretrained")
+            name = settings["pretrained"]
+            try:
+                tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+            except OSError as e:
+                raise UserError(
+                    f"cannot load the tokenizer of {name!r} ({str(e).splitlines()[0]})"
+                ) from None
+            return cls("pretrained", settings["max_length"], tokenizer.backend_tokenizer)
         if settings["tokenizer"] == "bytes":
             return cls("bytes", settings["max_length"])
-        tokenizers = _tokenizers()
+        tokenizers = _package("tokenizers", "tokenizer bpe")
         bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
         bpe.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()  # words, then merges
         trainer = tokenizers.trainers.BpeTrainer(
@@ -196,13 +266,14 @@ class Tokenizer:
 
     def record(self):
         """What a weights file keeps to rebuild this tokenizer (from_record)."""
-        return {"kind": self.kind, "bpe": self.bpe.to_str() if self.bpe else None}
+        return {"kind": self.kind, "json": self.subwords.to_str() if self.subwords else None}
 
     @classmethod
     def from_record(cls, record, max_length):
         if record["kind"] == "bytes":
             return cls("bytes", max_length)
-        return cls("bpe", max_length, _tokenizers().Tokenizer.from_str(record["bpe"]))
+        tokenizers = _package("tokenizers", f"tokenizer {record['kind']}")
+        return cls(record["kind"], max_length, tokenizers.Tokenizer.from_str(record["json"]))
 
     def encode(self, texts, whole=False):
         """Token ids of each document (bytes), cut at max_length unless `whole`: a list of int
@@ -210,24 +281,36 @@ class Tokenizer:
         limit = None if whole or not self.max_length else self.max_length
         if self.kind == "bytes":
             return [np.frombuffer(t[:limit], np.uint8).astype(np.int16) + 1 for t in texts]
-        encoded = self.bpe.encode_batch([t.decode("latin-1") for t in texts])
-        return [np.asarray(e.ids[:limit], np.int32) for e in encoded]
+        if self.kind == "bpe":
+            encoded = self.subwords.encode_batch([t.decode("latin-1") for t in texts])
+            return [np.asarray(e.ids[:limit], np.int32) for e in encoded]
+        if limit:  # the encoder's special tokens ([CLS] ... [SEP]) kept around what is cut
+            self.subwords.enable_truncation(limit)
+        else:
+            self.subwords.no_truncation()
+        self.subwords.no_padding()
+        encoded = self.subwords.encode_batch([t.decode("utf-8", "replace") for t in texts])
+        return [np.asarray(e.ids, np.int32) + 1 for e in encoded]
 
     def unit(self):
         return "bytes" if self.kind == "bytes" else "tokens"
 
 
-def _tokenizers():
+def _package(name, purpose):
+    """An optional package, imported when used, or one line naming the install."""
     try:
-        import tokenizers
-    except ModuleNotFoundError:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
         raise UserError(
-            "tokenizer bpe needs the tokenizers package: pip install -r requirements-extras.txt"
+            f"{purpose} needs the {name} package: pip install -r requirements-extras.txt"
         ) from None
-    return tokenizers
 
 
 def describe_model(model, settings):
     """A few words for the start-up line: the model, its size and its input."""
     params = sum(p.numel() for p in model.parameters())
-    return f"{settings['model']} ({params / 1e3:.0f}k weights) on {settings['tokenizer']}"
+    what = settings["pretrained"] if settings["model"] == "pretrained" else settings["model"]
+    words = "its own tokenizer" if settings["model"] == "pretrained" else settings["tokenizer"]
+    return f"{what} ({params / 1e3:,.0f}k weights) on {words}"

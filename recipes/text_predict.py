@@ -67,7 +67,7 @@ def trained_model(path, device="cpu"):
     tokenizer = Tokenizer.from_record(record["tokenizer"], record["model"]["max_length"])
     if Path(path).suffix == ".onnx":
         return OnnxModel(path), record, tokenizer
-    model = build_model(record["model"], len(record["classes"]))
+    model = build_model(record["model"], len(record["classes"]), record["encoder"])
     load_weights(model, path)
     return model.to(device).eval(), record, tokenizer
 

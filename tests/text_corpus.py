@@ -11,11 +11,15 @@ the classes apart in a few dozen steps. The recording model writes down those nu
 """
 
 import contextlib
+import json
 import uuid
 
 import numpy as np
 from conftest import REPO, changed_lines
 
+N_TRAIN, N_TEST = 203, 61  # conftest's text_corpus: odd, no process count used here divides them
+# batch_size 8, max_length 1024: batches of at most 8 documents and 8 x 1024 padded tokens.
+SETTINGS = ["--batch_size", 8, "--eval_batch_size", 16, "--max_length", 1024, "--lr", 3e-3]
 CLASSES = ("ham", "spam")
 WORDS = {
     "ham": ["meeting", "patch", "kernel", "thanks", "review", "lunch", "build", "release"],
@@ -63,10 +67,13 @@ def write_corpus(root, n_train, n_test, *, seed=0, layout="split", longest=3000)
     return root
 
 
-def ids_of(tokens):
-    """The numbers of a batch of byte tokens (token = byte + 1) that start with idNNNNN."""
-    digits = tokens[:, 2:7] - 1 - ord("0")
-    return (digits * np.array([10000, 1000, 100, 10, 1])).sum(1).tolist()
+def batches(ids, nproc):
+    """Each process's training batches as RECORDING_MODEL wrote them to the folder `ids`, in
+    order: [[document ids, padded length], ...] per process."""
+    return [
+        [json.loads(line) for line in (ids / f"rank{r}.jsonl").read_text().splitlines()]
+        for r in range(nproc)
+    ]
 
 
 # ByteCNN that also writes down the ids of the documents of every training batch, and the
@@ -119,3 +126,36 @@ def copied_text(model=None):
     finally:
         for path in paths.values():
             path.unlink()
+
+
+def tiny_encoder(folder, texts):
+    """A tiny BERT (2 layers of 32) saved with save_pretrained in `folder`, with a WordPiece
+    tokenizer trained on `texts` (str): what a hub name gives, made here with no download."""
+    import transformers
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer()
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=400, special_tokens=special)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    cls, sep = (tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]"))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        **dict(zip(["pad_token", "unk_token", "cls_token", "sep_token", "mask_token"], special)),
+    )
+    fast.save_pretrained(folder)
+    config = transformers.BertConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=256,
+    )
+    transformers.BertModel(config).save_pretrained(folder)
+    return folder
