@@ -194,7 +194,8 @@ def make_tokenizer(cfg, accelerator, texts, trained=None, checkpoint=None):
         return Tokenizer.from_record(trained["tokenizer"], cfg.max_length)
     state = Path(checkpoint or "") / "trainer_state.json"
     if checkpoint and state.is_file():  # else resume_training says what is wrong with it
-        return Tokenizer.from_record(json.loads(state.read_text())["tokenizer"], cfg.max_length)
+        record = json.loads(state.read_text())["tokenizer_record"]
+        return Tokenizer.from_record(record, cfg.max_length)
     settings = model_settings(cfg)
     record = from_main_process(accelerator, lambda: Tokenizer.trained(settings, texts).record())
     return Tokenizer.from_record(record, cfg.max_length)
@@ -298,7 +299,7 @@ def save(accelerator, cfg, *, progress, scheduler, data):
 
 def same_data(data):
     """What a checkpoint records of the data, which a resume must find the same."""
-    return {"classes": data.classes, "tokenizer": data.tokenizer.record()}
+    return {"classes": data.classes, "tokenizer_record": data.tokenizer.record()}
 
 
 def train_one_epoch(model, loader, optimizer, *, scheduler, accelerator, cfg, progress, ema, data):

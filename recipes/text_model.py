@@ -19,6 +19,7 @@ package), or the pretrained encoder's own; the weights file records it.
 
 import importlib
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.config import UserError, require
+from common.data import looks_like_path
 
 # ADAPT: your model: the Config fields that build it and its input, recorded in the weights file
 # so that predict and export rebuild both without flags.
@@ -193,13 +195,7 @@ class PretrainedEncoder(nn.Module):
         transformers.logging.set_verbosity_error()  # not its table of the head's new weights
         auto = transformers.AutoModelForSequenceClassification
         if config is None:
-            try:
-                self.net = auto.from_pretrained(name, num_labels=num_classes)
-            except OSError as e:
-                raise UserError(
-                    f"cannot load the pretrained encoder {name!r} ({str(e).splitlines()[0]}): "
-                    f"give a hub name (with internet) or a folder that save_pretrained wrote"
-                ) from None
+            self.net = from_pretrained(auto, name, "the encoder", num_labels=num_classes)
         else:
             settings = transformers.AutoConfig.for_model(**json.loads(config))
             self.net = auto.from_config(settings)
@@ -213,6 +209,22 @@ class PretrainedEncoder(nn.Module):
     def forward(self, tokens):
         mask = tokens != PAD
         return self.net(input_ids=(tokens - 1).clamp(min=0), attention_mask=mask.long()).logits
+
+
+def from_pretrained(auto, name, what, **kwargs):
+    """auto.from_pretrained(name): a hub name or a folder; one line if it cannot be loaded."""
+    if looks_like_path(name) and not Path(name).exists():
+        raise UserError(
+            f"pretrained {name} does not exist: give a folder that save_pretrained wrote, or a "
+            f"hub name"
+        )
+    try:
+        return auto.from_pretrained(name, **kwargs)
+    except OSError as e:
+        raise UserError(
+            f"cannot load {what} of {name!r} ({str(e).splitlines()[0]}): give a hub name (with "
+            f"internet) or a folder that save_pretrained wrote"
+        ) from None
 
 
 def encoder_config(model):
@@ -232,6 +244,8 @@ class Tokenizer:
 
     def __init__(self, kind, max_length, subwords=None):
         self.kind, self.max_length, self.subwords = kind, max_length, subwords
+        # As made or read: to_str() of a tokenizer read back need not give the same text.
+        self.json = subwords.to_str() if subwords is not None else None
 
     @staticmethod
     def vocab_of(settings):
@@ -243,12 +257,7 @@ class Tokenizer:
         if settings["model"] == "pretrained":
             transformers = _package("transformers", "model pretrained")
             name = settings["pretrained"]
-            try:
-                tokenizer = transformers.AutoTokenizer.from_pretrained(name)
-            except OSError as e:
-                raise UserError(
-                    f"cannot load the tokenizer of {name!r} ({str(e).splitlines()[0]})"
-                ) from None
+            tokenizer = from_pretrained(transformers.AutoTokenizer, name, "the tokenizer")
             return cls("pretrained", settings["max_length"], tokenizer.backend_tokenizer)
         if settings["tokenizer"] == "bytes":
             return cls("bytes", settings["max_length"])
@@ -266,14 +275,16 @@ class Tokenizer:
 
     def record(self):
         """What a weights file keeps to rebuild this tokenizer (from_record)."""
-        return {"kind": self.kind, "json": self.subwords.to_str() if self.subwords else None}
+        return {"kind": self.kind, "json": self.json}
 
     @classmethod
     def from_record(cls, record, max_length):
         if record["kind"] == "bytes":
             return cls("bytes", max_length)
         tokenizers = _package("tokenizers", f"tokenizer {record['kind']}")
-        return cls(record["kind"], max_length, tokenizers.Tokenizer.from_str(record["json"]))
+        tokenizer = cls(record["kind"], max_length, tokenizers.Tokenizer.from_str(record["json"]))
+        tokenizer.json = record["json"]
+        return tokenizer
 
     def encode(self, texts, whole=False):
         """Token ids of each document (bytes), cut at max_length unless `whole`: a list of int

@@ -4,6 +4,7 @@ padding exactly. test_text.py launches the recipe on such data."""
 
 import json
 import os
+import sys
 
 import datasets
 import numpy as np
@@ -179,3 +180,13 @@ def test_a_document_gets_the_same_logits_alone_and_in_a_padded_batch(model):
         batch = net(documents.__getitems__([0, 1, 2, 3])[0])
         alone = torch.cat([net(documents.__getitems__([i])[0]) for i in range(4)])
     assert torch.allclose(batch, alone, atol=1e-5), (batch - alone).abs().max()
+
+
+def test_a_hub_name_without_internet_and_a_missing_package_are_one_line(text, monkeypatch):
+    # conftest points the hub at a closed port: the name cannot be loaded, and says what works.
+    with pytest.raises(DataError, match=r"could not load 'someone/emails'.*point --dataset"):
+        list_documents(config(text, "--dataset", "someone/emails"))
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if it were not installed
+    settings = {"model": "cnn", "tokenizer": "bpe", "vocab_size": 400, "max_length": 64}
+    with pytest.raises(UserError, match="^tokenizer bpe needs the tokenizers package: pip"):
+        Tokenizer.trained(settings, [b"some text"])

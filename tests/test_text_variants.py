@@ -4,13 +4,24 @@ torchrun and bf16; the moving average and a tracker; export to ONNX and predict 
 processes too; the data check; a copy of the recipe as it is, on 1 process; memorising a batch."""
 
 import csv
+import shutil
 import subprocess
 
 import pytest
 import torch
 from conftest import BIN, assert_ok, error_lines, launch, read_metrics, stopped_at
 from safetensors.torch import load_file
-from text_corpus import N_TEST, N_TRAIN, RECORDING_MODEL, SETTINGS, batches, copied_text
+from text_corpus import (
+    N_TEST,
+    N_TRAIN,
+    RECORDING_MODEL,
+    SETTINGS,
+    batches,
+    copied_text,
+    tiny_encoder,
+)
+
+from common.checkpoint import read_record
 
 pytestmark = pytest.mark.slow
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -230,3 +241,63 @@ def test_the_model_memorises_one_batch(text_corpus, tmp_path):
     assert_ok(res)
     rows = read_metrics(out)
     assert rows[-1]["eval_samples"] == 8 and rows[-1]["accuracy"] == 1.0, rows[-1]
+
+
+def test_bpe_subwords_are_kept_in_the_checkpoint_and_the_weights(text_corpus, tmp_path):
+    # Trained on the training split once; a resume reads them back from its checkpoint, and
+    # predict from the weights file, with no flag.
+    out = tmp_path / "out"
+    args = [RECIPE, "--dataset", text_corpus, "--output_dir", out, *SETTINGS]
+    args += ["--tokenizer", "bpe", "--vocab_size", 400, "--max_length", 256, "--epochs", 2]
+    args_saved = [*args, "--checkpoint_every_steps", 5, "--keep_checkpoints", 20]
+    assert_ok(launch(args_saved, launcher="python", env=ONE_THREAD))
+    resumed = stopped_at(out, 5, tmp_path / "resumed")
+    res = launch(
+        [*args[:4], resumed, *args[5:], "--resume", "latest"], launcher="python", env=ONE_THREAD
+    )
+    assert_ok(res)
+    assert "max_length 256 tokens" in res.output, res
+    a, b = load_file(out / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    record = read_record(out / "model.safetensors", "text")
+    assert record["tokenizer"]["kind"] == "bpe" and record["model"]["vocab_size"] == 400
+    predicted = launch(
+        [SERVING, "--weights", out / "model.safetensors", text_corpus / "test" / "*" / "*.txt"]
+        + ["--predict_csv", tmp_path / "p.csv"],
+        launcher="python",
+    )
+    assert_ok(predicted)
+
+
+def test_a_pretrained_encoder_by_folder_trains_and_predicts_without_it(text_corpus, tmp_path):
+    # A tiny BERT made here, as a hub name would give one: fine-tuned with its own tokenizer,
+    # then predicted from the weights alone (the folder gone: the record rebuilds it).
+    texts = [p.read_bytes().decode("latin-1") for p in sorted(text_corpus.rglob("*.txt"))]
+    encoder = tiny_encoder(tmp_path / "tiny-bert", texts)
+    out = tmp_path / "out"
+    res = launch(
+        [RECIPE, "--dataset", text_corpus, "--output_dir", out, *SETTINGS, "--smoke"]
+        + ["--model", "pretrained", "--pretrained", encoder, "--max_length", 256],
+        nproc=2,
+        env=ONE_THREAD,
+    )
+    assert_ok(res)
+    assert f"{encoder} (" in res.output and "on its own tokenizer" in res.output, res
+    assert read_metrics(out)[-1]["eval_samples"] == N_TEST
+    shutil.rmtree(encoder)
+    predicted = launch(
+        [SERVING, "--weights", out / "model.safetensors", text_corpus / "test" / "*" / "*.txt"]
+        + ["--predict_csv", tmp_path / "p.csv"],
+        launcher="python",
+    )
+    assert_ok(predicted)
+    assert f"wrote {N_TEST} predictions" in predicted.output
+    missing = launch(
+        [RECIPE, "--dataset", text_corpus, "--output_dir", tmp_path / "x", "--smoke"]
+        + ["--model", "pretrained", "--pretrained", tmp_path / "nowhere"],
+        launcher="python",
+    )
+    assert error_lines(missing) == [
+        f"error: pretrained {tmp_path / 'nowhere'} does not exist: give a folder that "
+        f"save_pretrained wrote, or a hub name"
+    ]
