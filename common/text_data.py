@@ -85,7 +85,8 @@ def read_folder(root, classes):
     for label, name in enumerate(classes):
         folder = Path(root) / name
         files = [p for p in sorted(folder.rglob("*")) if not p.is_dir()] if folder.is_dir() else []
-        files = [p for p in files if not any(part.startswith(".") for part in p.parts)]
+        hidden = [p for p in files if any(x.startswith(".") for x in p.relative_to(folder).parts)]
+        files = [p for p in files if p not in set(hidden)]
         for path in files:
             docs.add(str(path), read_bytes(path), label)
     return docs

@@ -108,6 +108,7 @@ class Config(RunConfig):
     seed: int = 0  # model init and data order; same seed, same run
     num_workers: int = 0  # DataLoader workers per process; the documents are in memory already
     # Predict (text_predict.py "mail/*.txt" --weights FILE): a CSV row per file.
+    predict: str | None = None  # documents (a glob) to label with --weights, by text_predict.py
     top_k: int = 1  # the most likely classes per file, each with its probability
     predict_csv: str = ""  # where the CSV goes; empty: output_dir/predictions.csv
 

@@ -44,7 +44,7 @@ def main():
         raise SystemExit(f"error: {source} has no {missing[0]}/: give the package's data/ folder")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    counts = Counter()
+    counts, bodies = Counter(), {}  # body digest -> [(split, file-name split), ...]
     for group in GROUPS:
         label = group if args.groups else group.split("-")[-2]  # easy-ham-1 -> ham
         for path in sorted((source / group).glob("*.txt")):
@@ -55,6 +55,10 @@ def main():
             name = f"{group}.{path.name}"  # the groups reuse numbers: 00001.<md5>.txt
             (folder / name).write_bytes(email)
             counts[split, label] += 1
+            by_name = (
+                "test" if int(hashlib.sha1(name.encode()).hexdigest(), 16) % 5 == 0 else "train"
+            )
+            bodies.setdefault(hashlib.sha1(body(email)).digest(), []).append((split, by_name))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     for split in ("train", "test"):
@@ -62,6 +66,17 @@ def main():
         total = sum(counts[split, label] for label in labels)
         shown = ", ".join(f"{label} {counts[split, label]}" for label in labels)
         print(f"{out}/{split}: {total} emails ({shown})")
+    twins = [sides for sides in bodies.values() if len(sides) > 1]
+    leaked = sum(
+        sum(1 for _, by_name in sides if by_name == "test")
+        for sides in twins
+        if {by_name for _, by_name in sides} == {"train", "test"}
+    )
+    print(
+        f"{len(twins)} sets of emails with identical bodies ({sum(map(len, twins))} emails), "
+        f"each set on one side; a split by a hash of the file name would put {leaked} test "
+        f"emails beside a twin in training"
+    )
 
 
 if __name__ == "__main__":

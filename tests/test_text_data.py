@@ -30,8 +30,10 @@ def config(text, *args):
 
 
 def test_train_and_test_folders_name_the_classes(text, tmp_path):
-    root = write_corpus(tmp_path / "docs", 30, 11)
+    root = write_corpus(tmp_path / ".cache" / "docs", 30, 11)  # under a hidden folder: read
     (root / "train" / "ham" / ".DS_Store").write_bytes(b"\x00")  # hidden files are no documents
+    (root / "train" / "ham" / ".git").mkdir()
+    (root / "train" / "ham" / ".git" / "HEAD").write_bytes(b"ref")
     train, test, classes, notes = list_documents(config(text, "--dataset", root))
     assert classes == ["ham", "spam"] and (len(train), len(test)) == (30, 11) and notes == []
     assert all(n.endswith(".txt") for n in train.names)
