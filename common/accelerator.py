@@ -113,10 +113,12 @@ PATCHED_ON = "1.15."
 
 
 def accelerator_for(cfg):
-    """build_accelerator() with a run's settings (a RunConfig): gradient_accumulation_steps, seed
+    """build_accelerator() with a run's settings (a RunConfig): gradient_accumulation_steps (of
+    this process count's share of global_batch_size: RunConfig.split_global_batch), seed
     (the data order), dist_timeout_s, log_with, and output_dir for the trackers' files."""
+    planned = cfg.split_global_batch(launched_processes())  # global_batch_size: accumulation
     return build_accelerator(
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        gradient_accumulation_steps=planned.gradient_accumulation_steps,
         seed=cfg.seed,
         timeout_s=cfg.dist_timeout_s,
         log_with=cfg.log_with,

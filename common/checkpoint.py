@@ -437,7 +437,9 @@ def record_metadata(key, record, **more):
 def read_record(path, key):
     """The record that record_metadata() stored under `key` in a .safetensors weights file, or in
     an .onnx file exported from one (common/export.py copies the metadata); None if the file holds
-    none or is neither (a torch.save'd state_dict)."""
+    none or is neither (a torch.save'd state_dict), or no file is given (None)."""
+    if path is None:
+        return None
     path = Path(path)
     if path.suffix not in (".safetensors", ".onnx") or not path.is_file():
         return None  # load_weights reports a missing file

@@ -150,16 +150,22 @@ def _field_type(cls, f):
     return hint, False
 
 
+AUTO_KINDS = (bool, float)  # an Optional of these takes auto: the run decides (None)
+
+
 def _a(kind, optional=False):
     if kind is bool and optional:
         return "a bool (true/false) or auto"
+    if kind is float and optional:
+        return "a float or auto"
     return {int: "an int", float: "a float", str: "a string", bool: "a bool (true/false)"}[kind]
 
 
 def _convert(value, kind, *, optional, where):
     """Convert a YAML value or a command-line string to the field's type, or raise ConfigError.
-    An Optional[bool] takes auto (or none) too: None, which the recipe resolves when it runs."""
-    empty = {"none", "null", "auto"} if kind is bool else {"none", "null"}
+    An Optional[bool] or Optional[float] takes auto (or none) too: None, which the recipe resolves
+    when it runs."""
+    empty = {"none", "null", "auto"} if kind in AUTO_KINDS else {"none", "null"}
     if value is None or (isinstance(value, str) and optional and value.lower() in empty):
         if optional:
             return None
@@ -388,7 +394,7 @@ def help_text(cls):
         comment = notes.get(last, ("", {}))[1].get(f.name, ("", None))[0]
         kind, optional = _field_type(cls, f)
         name = getattr(kind, "__name__", str(kind)).upper()
-        if f.default is None and kind is bool and optional:
+        if f.default is None and kind in AUTO_KINDS and optional:
             default = "default: auto"
         elif f.default is not dataclasses.MISSING:
             default = f"default: {_show(f.default)}"

@@ -108,11 +108,21 @@ def run(main, config_class, argv=None, positional=None):
     sys.exit(code)
 
 
-def run_serving(main, config_class, *, recipe, script):
-    """A serving file's own entry point (`python recipes/unet_predict.py --weights W "*.jpg"`):
-    run(), with the image glob as the one argument without a --name (the predict setting), into
-    the `recipe`'s main(), which serves predict, export and the data check. A run that would
-    train stops with one line naming the recipe."""
+def hand_over(script):
+    """Run `script` (a recipe's serving file) in this process's place, with this process's
+    arguments and environment: `python recipes/unet.py --predict ...` is `python
+    recipes/unet_predict.py --predict ...`, under any launcher, without the training file
+    importing its serving file (which imports it). Called before any process group exists."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, str(script), *sys.argv[1:]])
+
+
+def run_serving(serve, config_class, *, recipe, script):
+    """A serving file's entry point (`python recipes/unet_predict.py --weights W "*.jpg"`): run(),
+    with the image glob as the one argument without a --name (the predict setting), into its
+    serve(cfg), which predicts, exports or checks the data. A run that would train stops with one
+    line naming the recipe."""
 
     def serving(cfg):
         if not (cfg.predict or cfg.export or cfg.check_data):
@@ -120,6 +130,6 @@ def run_serving(main, config_class, *, recipe, script):
                 f"{Path(script).name} predicts (an image glob), exports (--export onnx) or checks "
                 f"the data (--check_data); train with {recipe}.py"
             )
-        main(cfg)
+        serve(cfg)
 
     run(serving, config_class, positional="predict")

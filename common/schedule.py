@@ -82,6 +82,7 @@ def _kind(state):
         "T_max": "a cosine schedule",
         "step_size": "a step schedule",
         "patience": "a plateau schedule",
+        "factor": "a constant schedule",
     }
     return next((name for key, name in kinds.items() if key in state), "another schedule")
 

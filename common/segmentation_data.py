@@ -26,7 +26,7 @@ then stands for IGNORE), int32 beyond. Behind load_segmentation():
 
 import csv
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -269,6 +269,22 @@ def mask_stats(codes):
     }
 
 
+GRID = 16  # where a class lies: its pixels in each cell of a GRID x GRID grid over the image
+
+
+def where_counts(codes):
+    """{value: pixels in each cell [GRID * GRID]} of a mask's codes [H, W]: where in the image each
+    value lies, on a grid relative to the image's size (so masks of any size add up)."""
+    height, width = codes.shape
+    rows = np.arange(height) * GRID // height
+    cols = np.arange(width) * GRID // width
+    cells = (rows[:, None] * GRID + cols[None, :]).ravel()
+    values, inverse = np.unique(codes.ravel(), return_inverse=True)
+    counts = np.zeros((len(values), GRID * GRID), np.int64)
+    np.add.at(counts, (inverse.ravel(), cells), 1)
+    return {int(v): row for v, row in zip(values, counts)}
+
+
 # The fields of Scan.values[v]: masks holding v, one of them, v's pixels, its interior pixels,
 # its pixels in the first (training) split, and the edges between two values that it is on.
 MASKS, NAME, PIXELS, INTERIOR, TRAIN_PIXELS, EDGES = range(6)
@@ -279,27 +295,35 @@ class Scan:
     """What the scan of every pair found: values {mask value: [MASKS, NAME, PIXELS, INTERIOR,
     TRAIN_PIXELS, EDGES]}, sizes: per split, (height, width) of each image in order, modes:
     {image mode: an image of that mode}, colour: the masks hold colours, palette: the colours
-    (r, g, b, r, g, b, ...) of the masks' palette, if they are palette PNGs (VOC's), else None."""
+    (r, g, b, r, g, b, ...) of the masks' palette, if they are palette PNGs (VOC's), else None;
+    where: {mask value: its training pixels in each cell of a grid on the image} (where_counts)."""
 
     values: dict
     sizes: list
     modes: dict
     colour: bool
     palette: list | None = None
+    where: dict = field(default_factory=dict)
 
     def to_json(self):
-        return {**asdict(self), "values": [[v, *stats] for v, stats in self.values.items()]}
+        return {
+            **asdict(self),
+            "values": [[v, *stats] for v, stats in self.values.items()],
+            "where": [[v, *cells] for v, cells in self.where.items()],
+        }
 
     @classmethod
     def from_json(cls, stored):
         values = {entry[0]: entry[1:] for entry in stored["values"]}
         sizes = [[tuple(size) for size in split] for split in stored["sizes"]]
-        return cls(values, sizes, stored["modes"], stored["colour"], stored["palette"])
+        where = {entry[0]: entry[1:] for entry in stored["where"]}
+        return cls(values, sizes, stored["modes"], stored["colour"], stored["palette"], where)
 
 
 def scan_share(accelerator, splits):
-    """This process's share of the scan: (values, sizes, modes, mask kinds, palette, problems)."""
-    found, sizes, modes, kinds, palette, problems = {}, {}, {}, {}, None, []
+    """This process's share of the scan: (values, sizes, modes, mask kinds, palette, where,
+    problems)."""
+    found, sizes, modes, kinds, palette, where, problems = {}, {}, {}, {}, None, {}, []
     items = [(s, i) for s, split in enumerate(splits) for i in range(len(split))]
     for s, i in items[accelerator.process_index :: accelerator.num_processes]:
         try:
@@ -321,7 +345,9 @@ def scan_share(accelerator, splits):
             stats[INTERIOR] += interior
             stats[TRAIN_PIXELS] += pixels if s == 0 else 0
             stats[EDGES] += edges
-    return found, sizes, modes, kinds, palette, problems
+        for v, cells in where_counts(codes).items() if s == 0 else ():
+            where[v] = where[v] + cells if v in where else cells
+    return found, sizes, modes, kinds, palette, where, problems
 
 
 def scan_pairs(accelerator, splits, *, remember=False):
@@ -331,31 +357,40 @@ def scan_pairs(accelerator, splits, *, remember=False):
     keyed by the splits' identity() (each file's path, size and time of change) and by the code
     that reads the pairs, so that a later run on the same files reads it instead."""
     key = ["mask scan", [split.identity() for split in splits]] if remember else None
-    code = [type(splits[0]).__getitem__, scan_share, mask_stats, Scan]
+    code = [type(splits[0]).__getitem__, scan_share, mask_stats, where_counts, Scan]
     stored = read_json(key, code=code) if remember else None
     if all(gather_object([stored is not None])):  # every rank has it, or all scan
         return Scan.from_json(stored)
-    values, all_sizes, modes, kinds, palette = {}, {}, {}, {}, None
-    for found_at, sizes_at, modes_at, kinds_at, palette_at, problems_at in gather_object(
-        [scan_share(accelerator, splits)]
-    ):
+    values, all_sizes, modes, kinds, palette, where = {}, {}, {}, {}, None, {}
+    for (
+        found_at,
+        sizes_at,
+        modes_at,
+        kinds_at,
+        palette_at,
+        where_at,
+        problems_at,
+    ) in gather_object([scan_share(accelerator, splits)]):
         if problems_at:
             raise DataError(problems_at[0])
+        for v, cells in where_at.items():
+            where[v] = where[v] + cells if v in where else cells
         all_sizes.update(sizes_at)
         modes = {**modes_at, **modes}
         kinds = {**kinds_at, **kinds}
         palette = palette or palette_at
         for v, stats in found_at.items():
             merged = values.setdefault(v, [0, stats[NAME], 0, 0, 0, 0])
-            for field in (MASKS, PIXELS, INTERIOR, TRAIN_PIXELS, EDGES):
-                merged[field] += stats[field]
+            for stat in (MASKS, PIXELS, INTERIOR, TRAIN_PIXELS, EDGES):
+                merged[stat] += stats[stat]
     if len(kinds) > 1:
         raise DataError(
             f"mask {kinds['colour']} is in colour, mask {kinds['grey']} holds grey levels or "
             f"palette indices: save all masks alike"
         )
     sizes = [[all_sizes[s, i] for i in range(len(split))] for s, split in enumerate(splits)]
-    scan = Scan(dict(sorted(values.items())), sizes, modes, "colour" in kinds, palette)
+    where = {v: [int(n) for n in cells] for v, cells in sorted(where.items())}
+    scan = Scan(dict(sorted(values.items())), sizes, modes, "colour" in kinds, palette, where)
     if remember and accelerator.is_main_process:
         write_json(key, scan.to_json(), code=code)
     return scan
@@ -460,6 +495,43 @@ def choose_classes(scan, asked, *, num_classes, fixed):
         tuple(values), tuple(sorted(ignored)), asked.unlisted_ignored, colour, names
     )
     return classes, num_classes, notes
+
+
+# Mirror twins (mirror_twins): where a class lies, mirrored, must match where its twin lies this
+# well (the histogram intersection of the two, 0..1), and better than where the class itself lies
+# by this margin: a class that lies anywhere, or in the middle, is its own mirror image.
+TWIN_MATCH = 0.5
+TWIN_MARGIN = 0.25
+
+
+def mirror_twins(scan, classes):
+    """[(i, j)]: the pairs of classes i < j that a horizontal flip turns into each other, as a
+    left region and its right twin (a brain atlas's), from where each class lies in the training
+    masks (Scan.where, on a grid): where i lies, mirrored left to right, matches where j lies
+    best of all the classes, and the other way round, at least TWIN_MATCH, and better than it
+    matches where the class itself lies by TWIN_MARGIN. Classes that lie anywhere (digits,
+    letters: their shapes change in a mirror, their places do not) and classes in the middle
+    (a car, a road) match themselves: no twins."""
+    index = {v: i for i, v in enumerate(classes.values) if v in scan.where}
+    if not index:
+        return []
+    values = list(index)
+    share = np.array([scan.where[v] for v in values], np.float64)
+    share /= share.sum(1, keepdims=True).clip(min=1)
+    mirrored = share.reshape(len(values), GRID, GRID)[:, :, ::-1].reshape(len(values), -1)
+    match = np.minimum(mirrored[:, None, :], share[None, :, :]).sum(2)  # [mirrored, other]
+    itself = match.diagonal().copy()
+    np.fill_diagonal(match, -1)
+    best = match.argmax(1)
+    twins = [
+        (index[values[a]], index[values[b]])
+        for a, b in enumerate(best)
+        if best[b] == a
+        and a < b
+        and min(match[a, b], match[b, a]) >= TWIN_MATCH
+        and match[a, b] - itself[a] >= TWIN_MARGIN
+    ]
+    return sorted(twins)
 
 
 BAND_SHARE = 0.9  # a void band is on one side of at least this share of the edges between values
@@ -744,6 +816,7 @@ class SegmentationData:
     background: int  # the background class: as asked, or the one of the most training pixels
     colours: list | None  # the dataset's colour of each class (class_colours), or None
     table: list  # lines of each class's share of the pixels, for the data check (class_table)
+    twins: list  # (i, j): classes that a horizontal flip turns into each other (mirror_twins)
     max_batch_pixels: int  # bucket_by_size: the padded pixels of a training batch; else 0
     batch: object  # for describe(): the batch size, or what a bucketed batch holds
     shapes: str  # the images' size, for the start-up line
@@ -896,6 +969,7 @@ def load_segmentation(
         background_class(classes, class_pixels, background),
         class_colours(scan, classes),
         class_table(scan, classes),
+        mirror_twins(scan, classes),
     )
     if not bucket_by_size:  # each loader with its own generator: see seeded_loader
         height, width = input_size

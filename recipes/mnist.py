@@ -3,7 +3,7 @@
     python recipes/mnist.py --dataset data/mnist_sample --epochs 3          # one process
     accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py
     torchrun --nproc_per_node 2 recipes/mnist.py --dataset data/mnist_sample
-    python recipes/mnist.py --predict "digits/*.png" --weights runs/mnist/model.safetensors
+    python recipes/mnist_predict.py --weights runs/mnist/model.safetensors "digits/*.png"
 
 The accelerate config picks CPU, GPUs and fp16/bf16; Config below and common.config's RunConfig
 take `--config run.yaml` and `--field value`. Copy this file: `# ADAPT:` marks what to change.
@@ -24,13 +24,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from common.accelerator import (
-    accelerator_for,
-    close,
-    describe,
-    fused_kernels,
-    launched_processes,
-)
+from common.accelerator import accelerator_for, close, describe, fused_kernels
 from common.cache import cached_tensors
 from common.checkpoint import (
     load_weights,
@@ -57,12 +51,13 @@ from common.ema import EMA
 from common.metrics import peak_memory_mb, reset_peak_memory
 from common.outputs import open_run
 from common.progress import Progress
-from common.runtime import run
+from common.runtime import hand_over, run
 from common.schedule import fit_schedule
 from common.signals import catch_stop_signals
 from common.tracking import start_logging
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
+SERVING = Path(__file__).with_name(f"{NAME}_predict.py")  # predict, export, the data check
 OPTIMIZERS = {"adadelta": torch.optim.Adadelta, "adamw": torch.optim.AdamW}
 
 
@@ -272,9 +267,9 @@ def train_one_epoch(model, loader, optimizer, scheduler, accelerator, cfg, progr
 
 
 @torch.inference_mode()
-def evaluate(model, loader, accelerator, ema=None):
+def evaluate(model, loader, accelerator):
     """Exact accuracy over the test split on any number of processes (gather_for_metrics drops the
-    prepared loader's padding); with ema (ema_decay), the average's too: ema_accuracy, ..."""
+    prepared loader's padding)."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # correct, loss, count
     for x, y in loader:
@@ -285,38 +280,46 @@ def evaluate(model, loader, accelerator, ema=None):
         totals[1] += loss.sum()
         totals[2] += len(y)
     correct, loss_sum, samples = totals.tolist()  # the only wait for the GPU
-    averaged = evaluate(ema.synced(accelerator), loader, accelerator) if ema is not None else {}
     return {
         "accuracy": correct / samples,
         "eval_loss": loss_sum / samples,
         "eval_samples": int(samples),
-        **{f"ema_{k}": v for k, v in averaged.items()},
     }
 
 
-def recorded_classes(weights):
-    """The class names that a weights file this recipe wrote records (save_weights' metadata),
-    or None (no file, or one that records none, such as a state_dict .pt)."""
-    return read_record(weights, "classes") if weights else None
+def evaluate_with_average(model, ema, loader, accelerator):
+    """evaluate() of the model, and with ema (ema_decay) of the weights' moving average too, as
+    ema_accuracy, ema_eval_loss, ..."""
+    result = evaluate(model, loader, accelerator)
+    if ema is not None:
+        averaged = evaluate(ema.synced(accelerator), loader, accelerator)
+        result.update({f"ema_{k}": v for k, v in averaged.items()})
+    return result
+
+
+def settle(cfg, accelerator):
+    """(cfg, train_loader, test_loader): the settings this run trains with, settled here once,
+    and the data they read: this process count's share of global_batch_size (batch_size and
+    accumulation steps), no augmentation and a constant lr for overfit_batches, then the loaders
+    (make_loaders)."""
+    cfg = cfg.split_global_batch(accelerator.num_processes)
+    if cfg.overfit_batches:  # the first batches as they are, at a constant lr
+        cfg = replace(cfg, shift=0, scheduler="step", gamma=1.0)
+    return cfg, *make_loaders(cfg, accelerator.device, accelerator.num_processes)
 
 
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
-    cfg = cfg.split_global_batch(launched_processes())  # global_batch_size: batch, accumulation
+    if cfg.predict or cfg.export or cfg.check_data:  # not training: the serving file serves
+        hand_over(SERVING)  # it runs in this process's place, with the same arguments
     accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
     set_deterministic(cfg.deterministic)
-    if cfg.predict or cfg.export or cfg.check_data:  # not training: mnist_predict.py serves
-        # ADAPT: your copy's serving file; imported here, not above, as it imports this one
-        from mnist_predict import serve
-
-        return serve(cfg, accelerator)
     out, checkpoint = open_run(accelerator, cfg)
 
-    # 2. Data: every process loads it (bad data fails alike on every rank); prepare() shards it.
-    if cfg.overfit_batches:  # the first batches as they are: no augmentation
-        cfg = replace(cfg, shift=0)
-    train_loader, test_loader = make_loaders(cfg, accelerator.device, accelerator.num_processes)
+    # 2. Data, and the settings settled once: every process loads it (bad data fails alike on
+    # every rank); prepare() shards it.
+    cfg, train_loader, test_loader = settle(cfg, accelerator)
     classes = train_loader.dataset.classes  # the data's: its ClassLabel's names, or 0..the last
     require_one_batch_per_process(
         len(train_loader.dataset), cfg.batch_size, accelerator, what=f"the {cfg.train_split} split"
@@ -324,9 +327,10 @@ def main(cfg):
     metrics = start_logging(accelerator, cfg, NAME, checkpoint=checkpoint)
 
     # 3. Model: an output per class; with --weights, trained on the same classes.
-    if recorded_classes(cfg.weights) not in (None, classes):
+    trained = read_record(cfg.weights, "classes")  # those of --weights; None: no record
+    if trained not in (None, classes):
         raise DataError(
-            f"{cfg.weights} was trained on the classes {', '.join(recorded_classes(cfg.weights))}; "
+            f"{cfg.weights} was trained on the classes {', '.join(trained)}; "
             f"{cfg.dataset} has {', '.join(classes)}: train on data with the same classes"
         )
     model = build_model(classes)
@@ -378,7 +382,7 @@ def main(cfg):
         if progress.interrupted:
             break
         reset_peak_memory(accelerator.device)  # eval_peak_memory_mb: evaluation's own peak
-        result = evaluate(model, test_loader, accelerator, ema)
+        result = evaluate_with_average(model, ema, test_loader, accelerator)
         eval_peak = peak_memory_mb(accelerator.device)
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             if cfg.scheduler == "step":
@@ -406,7 +410,7 @@ def main(cfg):
         accelerator.print(progress.why_stopped)
     if not progress.interrupted:
         if result is None:  # eval_only, or a resumed run that had nothing left to train
-            result = evaluate(model, test_loader, accelerator, ema)
+            result = evaluate_with_average(model, ema, test_loader, accelerator)
             metrics.write(
                 epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
             )

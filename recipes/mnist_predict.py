@@ -1,13 +1,13 @@
 """MNIST's serving: predict, export and the data check, with the recipe's own model, input
-conversion and data (recipes/mnist.py, which trains), run from the recipe or on their own:
+conversion and data (recipes/mnist.py, which trains):
 
-    python recipes/mnist.py --predict "digits/*.png" --weights runs/mnist/model.safetensors
     python recipes/mnist_predict.py --weights runs/mnist/model.safetensors "digits/*.png"
     python recipes/mnist_predict.py --export onnx --weights runs/mnist/model.safetensors
     python recipes/mnist_predict.py --check_data --dataset data/mnist_sample
 
-Every setting is the recipe's Config. A copy of the recipe copies this file too and points the
-import marked ADAPT at the copy, as the copy points its serving import at this file's copy.
+Every setting is the recipe's Config; `python recipes/mnist.py --predict ...` runs this file in
+its place. A copy of the recipe copies this file too and points its one import marked ADAPT at
+the copy (recipes/mnist.py never imports this file).
 """
 
 import sys
@@ -18,8 +18,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 import torch
 import torch.nn.functional as F
 
-from common.accelerator import close
-from common.checkpoint import load_weights, record_metadata
+from common.accelerator import accelerator_for, close
+from common.checkpoint import load_weights, read_record, record_metadata
 from common.config import UserError
 from common.data import image_files, read_image
 from common.export import export_onnx
@@ -31,21 +31,20 @@ from mnist import (  # ADAPT: your recipe
     Config,
     build_model,
     data_classes,
-    main,
     make_loaders,
     normalize,
-    recorded_classes,
     to_batch,
 )
 
 
-def serve(cfg, accelerator):
-    """What the recipe's main() hands over: --predict, --export or --check_data; then close. The
-    model has the classes that the weights file records (else those of --dataset)."""
+def serve(cfg):
+    """--predict, --export or --check_data, on the processes of the accelerate config. The model
+    has the classes that the weights file records (else those of --dataset)."""
+    accelerator = accelerator_for(cfg)
     if cfg.check_data:
         check_data(cfg, accelerator)
         return close(accelerator)
-    classes = recorded_classes(cfg.weights) or data_classes(cfg)
+    classes = read_record(cfg.weights, "classes") or data_classes(cfg)  # the weights' own
     model = build_model(classes)
     load_weights(model, cfg.weights)
     if cfg.predict:
@@ -118,4 +117,4 @@ def check_data(cfg, accelerator, count=32):
 
 
 if __name__ == "__main__":  # mnist_predict.py --weights W "digits/*.png"
-    run_serving(main, Config, recipe=NAME, script=__file__)
+    run_serving(serve, Config, recipe=NAME, script=__file__)

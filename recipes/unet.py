@@ -3,12 +3,13 @@
     make data/shapes && python recipes/unet.py --epochs 10        # one process, the default data
     accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/unet.py --images DIR \
         --masks DIR --mask_name "{stem}_mask.png"               # your folders: docs/unet.md
-    python recipes/unet.py --predict "photos/*.jpg" --weights runs/unet/model.safetensors --overlay
+    python recipes/unet_predict.py --weights runs/unet/model.safetensors "photos/*.jpg" --overlay
 
-The accelerate config picks CPU, GPUs and fp16/bf16. Settings: the Config fields below and
-common.config's RunConfig, by `--config run.yaml` and `--field value`. This file trains;
-predict, export and the data check are unet_predict.py's. Copy these files to start your own
-recipe; `# ADAPT:` marks what to change: here, and in unet_data.py, the data.
+The accelerate config picks CPU, GPUs and fp16/bf16. Settings: the Config fields below (the
+model's in unet_model.py) and common.config's RunConfig, by `--config run.yaml` and `--field
+value`. This file trains; predict, export and the data check are unet_predict.py's, which it
+never imports. Copy these files to start your own recipe; `# ADAPT:` marks what to change: here,
+in unet_data.py (the data) and in unet_model.py (the model).
 """
 
 import sys
@@ -19,8 +20,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import broadcast, set_seed
-from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
+from accelerate.utils import set_seed
+from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, ReduceLROnPlateau
 from tqdm.auto import tqdm
 
 from common.accelerator import (
@@ -29,7 +30,6 @@ from common.accelerator import (
     describe,
     from_main_process,
     fused_kernels,
-    launched_processes,
     sync_batchnorm,
 )
 from common.checkpoint import (
@@ -44,11 +44,12 @@ from common.config import RunConfig, UserError, require, require_at_least
 from common.data import colour_jitter, crop_and_flip, zoom_and_rotate
 from common.determinism import set_deterministic
 from common.ema import EMA
+from common.evaluation import ExactSums, evaluation_model
 from common.inference import segment
 from common.metrics import class_scores, confusion_counts, peak_memory_mb, reset_peak_memory
 from common.outputs import open_run
 from common.progress import Progress
-from common.runtime import run
+from common.runtime import hand_over, run
 from common.schedule import fit_schedule
 from common.segmentation_data import (
     IGNORE,
@@ -70,20 +71,22 @@ from unet_data import (  # ADAPT: your data
     mask_classes,
 )
 from unet_model import (  # ADAPT: your model
-    ENCODER_MEAN,
-    ENCODER_STD,
     MIN_SIZE,
+    MODEL_SETTINGS,
     PAD_MULTIPLE,
-    build_unet,
-    check_model_settings,
-    load_encoder_weights,
+    ModelConfig,
+    build_model,
+    input_channels,
+    prepare_input,
 )
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
+INFERRED = ("in_channels", "num_classes")  # model settings that the data decides when 0
+SERVING = Path(__file__).with_name(f"{NAME}_predict.py")  # predict, export, the data check
 
 
 @dataclass
-class Config(RunConfig):
+class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in unet_model.py
     # Data. ADAPT: a folder with imgs/ and masks/ (imgs/NAME.jpg with masks/NAME.png or
     # masks/NAME_mask.gif, as Carvana), or a hub name / folder that datasets.load_dataset reads.
     dataset: str = "data/shapes"  # `make data/shapes` writes it (scripts/make_shapes.py)
@@ -110,20 +113,11 @@ class Config(RunConfig):
     num_classes: int = 0  # with background; 0: one per mask value; 1: a sigmoid, for 2 values
     class_names: str = ""  # a,b,c in class order, or a file: a name a line, or name,r,g,b (CamVid)
     background: str = ""  # the class dice leaves out: a mask value or name; "": the most pixels
-    # Model.
-    in_channels: int = 0  # of the model's input: 1 grey, 3 RGB, 4 RGBA; 0: the images' own
-    encoder: str = ""  # resnet18, resnet34 or resnet50: a torchvision ResNet encoder; "": none
-    encoder_weights: str = ""  # pretrained encoder: a torchvision .pth file, or a name to download
-    base_channels: int = 64  # first level's width, doubled at each level down; 16 with encoder
-    bilinear: bool = False  # upsample by bilinear interpolation, not transposed convolutions
-    sync_bn: bool = True  # BatchNorm statistics over all processes' batches (GPUs only)
-    channels_last: bool | None = None  # NHWC: faster fp16/bf16 convolutions; auto: on with CUDA
-    grad_checkpointing: bool = False  # recompute each level's activations in backward: less memory
     # Size and augmentation: an image and its mask get the same resize (at decoding), crop, flips.
     image_size: str = ""  # resize to SIZE x SIZE, or HxW (height x width); empty: the files' size
     scale: float = 0.0  # resize each image by this factor, keeping its aspect ratio; 0: no resize
     crop_size: int = 0  # training only: a random square crop after the resize; 0: no crop
-    hflip: float = 0.5  # training only: probability of a horizontal flip
+    hflip: float | None = None  # training: flip probability; auto: 0.5, 0 for left/right classes
     vflip: float = 0.0  # training only: probability of a vertical flip
     zoom: float = 0.0  # training only: resize by a random factor 1/(1 + zoom)..1 + zoom, in place
     rotate: float = 0.0  # training only: rotate by up to this many degrees either way
@@ -137,11 +131,12 @@ class Config(RunConfig):
     num_workers: int = -1  # DataLoader workers per process that decode (if not cached); -1: by CPUs
     # Training.
     epochs: int = 5
+    sync_bn: bool = True  # BatchNorm statistics over all processes' batches (GPUs only)
     batch_size: int = 8  # per process (global_batch_size: at most); x processes x accumulation
     eval_batch_size: int = 0  # per process; 0: a training batch's pixels (predict: batch_size)
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 1e-4  # AdamW weight decay
-    scheduler: str = "cosine"  # cosine: to 0 at the last step; plateau: x0.1 after 5 flat evals
+    scheduler: str = "cosine"  # cosine: to 0 at the end; constant; plateau: x0.1 after 5 flat evals
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
     class_weights: str = ""  # cross-entropy weight per class, e.g. 0.2,1,1; auto: from pixel counts
     focal_gamma: float = 0.0  # above 0: focal loss, (1 - p)^gamma x cross-entropy; 2 is usual
@@ -160,10 +155,13 @@ class Config(RunConfig):
         super().validate()
         require_at_least(self, 0, "weight_decay", "grad_clip", "max_batch_pixels", "dice_weight")
         require(
-            self.scheduler in ("cosine", "plateau"),
-            f"scheduler must be cosine or plateau, got {self.scheduler!r}",
+            self.scheduler in SCHEDULERS,
+            f"scheduler must be {', '.join(SCHEDULERS)}, got {self.scheduler!r}",
         )
-        require(0 <= self.hflip <= 1 and 0 <= self.vflip <= 1, "hflip and vflip are probabilities")
+        require(
+            (self.hflip is None or 0 <= self.hflip <= 1) and 0 <= self.vflip <= 1,
+            "hflip and vflip are probabilities",
+        )
         require(
             self.zoom >= 0 and 0 <= self.rotate <= 180 and 0 <= self.jitter < 1,
             f"zoom must be 0 or more (0.25: 0.8 to 1.25 times), rotate 0 to 180 degrees and "
@@ -188,7 +186,6 @@ class Config(RunConfig):
             "global_batch_size counts images, max_batch_pixels pixels: set one (batch_size caps "
             "the images of a process's batch)",
         )
-        check_model_settings(self)  # unet_model.py
         check_data_settings(self)  # unet_data.py
         require(
             self.best_metric in ("miou", "dice"),
@@ -198,7 +195,11 @@ class Config(RunConfig):
         if self.class_weights and self.class_weights != "auto":
             listed_weights(self.class_weights)
         require(
-            not self.predict_flip or self.eval_only or self.predict or self.hflip or self.vflip,
+            not self.predict_flip
+            or self.eval_only
+            or self.predict
+            or self.hflip != 0
+            or self.vflip,
             "predict_flip averages over the flips of training: set hflip or vflip above 0",
         )
         tile = self.predict_tile
@@ -230,34 +231,11 @@ def image_size(cfg):
     return height, width
 
 
-# ADAPT: your model: the Config fields that build it, recorded in the weights file for predict.
-MODEL_SETTINGS = ("in_channels", "num_classes", "encoder", "base_channels", "bilinear")
-INFERRED = ("in_channels", "num_classes")  # 0: from the data, or from the weights file
-
-
-def build_model(settings, grad_checkpointing=False):
-    """The model that `settings` (MODEL_SETTINGS) describe. grad_checkpointing: recompute its
-    activations in the backward pass (no setting of the model: the weights are the same)."""
-    return build_unet(**settings, grad_checkpointing=grad_checkpointing)
-
-
 def read_trained(path):
     """What the weights file `path` records of its training (weights_record: these
     MODEL_SETTINGS, the classes, the input size, the flips), or None for a file that records
     none, such as a torch.save'd state_dict; --weights of training, and predict and export."""
     return read_weights_record(path, MODEL_SETTINGS)
-
-
-# ADAPT: your input: a uint8 batch [N, C, H, W] as floats (training, predict and export); with a
-# pretrained encoder, normalised as its ImageNet weights expect.
-def prepare_input(x, cfg):
-    x = x.float() / 255
-    if cfg.encoder:
-        mean, std = (
-            torch.tensor(v, device=x.device).view(1, -1, 1, 1) for v in (ENCODER_MEAN, ENCODER_STD)
-        )
-        x = (x - mean) / std
-    return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
 
 
 # ADAPT: your augmentation of a training batch, where it is (the GPU if cached): uint8 images
@@ -272,14 +250,16 @@ def augment(images, masks, rand, cfg):
     return colour_jitter(images, rand[:, 8:11], cfg.jitter), masks
 
 
-# What augment() reads, each at its value that turns it off: overfit_batches trains without them.
-NO_AUGMENTATION = {
+# overfit_batches: what augment() reads, each at its value that turns it off, and the lr held
+# constant (a schedule fitted to a short run lowers it before the batches are learned).
+OVERFIT = {
     "crop_size": 0,
     "hflip": 0.0,
     "vflip": 0.0,
     "zoom": 0.0,
     "rotate": 0.0,
     "jitter": 0.0,
+    "scheduler": "constant",
 }
 
 
@@ -365,8 +345,9 @@ def listed_weights(text):
     return weights
 
 
-def class_weights(cfg, class_pixels):
-    """The cross-entropy's weight per class as a tensor, or None: --class_weights as listed, or
+def class_weights(cfg, class_pixels, device):
+    """The cross-entropy's weight per class as a tensor on `device`, or None: --class_weights as
+    listed, or
     auto: ENet's 1 / ln(1.02 + share) of each class's share of the training pixels (a rare class
     weighs up to 50 times a common one, not the thousands that 1 / share can reach), scaled so
     that the average training pixel weighs 1, as without weights."""
@@ -380,16 +361,25 @@ def class_weights(cfg, class_pixels):
                 f"class_weights lists {len(weights)} weights for {count} classes: give one per "
                 f"class, or auto"
             )
-        return torch.tensor(weights)
+        return torch.tensor(weights, device=device)
     share = torch.tensor(class_pixels, dtype=torch.float64) / max(sum(class_pixels), 1)
     weights = 1 / torch.log(1.02 + share)
-    return (weights / (weights * share).sum()).float()
+    return (weights / (weights * share).sum()).float().to(device)
 
 
-# ADAPT: your metric. Per image and class but the background: |pred & true| and |pred| + |true|,
-# of hard predictions, from each image's confusion matrix [N, C * C] (confusion_counts, where
-# ignored pixels are in no cell). evaluate() makes the mean Dice.
+# ADAPT: your metric. Per image, the mean Dice of hard predictions over the classes but the
+# background that its mask or its prediction holds (1 for an image with none: an absent class is
+# no success), from each image's confusion matrix [N, C * C] (confusion_counts, where ignored
+# pixels are in no cell). The IoU and Dice per class come from the summed matrix.
+def image_dice(matrices, num_classes, background=0):
+    hits, sizes = dice_counts(matrices, num_classes, background)
+    present = sizes > 0
+    dice = (2 * hits.double() / sizes.clamp(min=1) * present).sum(1) / present.sum(1).clamp(min=1)
+    return torch.where(present.any(1), dice, 1.0)
+
+
 def dice_counts(matrices, num_classes, background=0):
+    """Per image and class but the background: |pred & true| and |pred| + |true|."""
     classes = value_count(num_classes)  # one sigmoid output: 2 classes
     matrices = matrices.view(-1, classes, classes)  # [image, true, predicted]
     hits, sizes = matrices.diagonal(dim1=1, dim2=2), matrices.sum(1) + matrices.sum(2)
@@ -440,86 +430,54 @@ def train_one_epoch(
 
 
 @torch.inference_mode()
-def evaluate(
-    model,
-    loader,
-    accelerator,
-    cfg,
-    *,
-    flips,
-    weights,
-    labels=None,
-    background=0,
-    colours=None,
-    panels=False,
-    ema=None,
-):
-    """Over the validation images, each counted once on any number of processes: the mean Dice
-    per image of the classes but the background that its mask or prediction holds (1 for an
-    image with none: dice_counts), and from the confusion matrix of every pixel, the IoU and
-    Dice of each class (keyed by `labels`, the class names; default: the class indices) and
-    their mean over the classes, miou. A prepared loader pads the last
-    batch and gather_for_metrics drops the padding. A bucketed one pads nothing, so ranks may
-    get different numbers of batches: nothing may wait on other ranks per batch (the unwrapped
-    model, as DDP syncs buffers in forward), and one reduce ends the loop. `panels`: image |
-    prediction | truth of a few images too, painted in `colours` (the dataset's, if any).
-    `flips`: those to average over (flips_to_average). weights: the loss's class weights. With
-    ema (ema_decay), the moving average's results too: ema_miou..."""
-    bucketed = cfg.bucket_by_size
-    # keep_torch_compile=False: the default takes DDP out of a compiled model (Accelerate 1.15).
-    net = accelerator.unwrap_model(model, keep_torch_compile=False) if bucketed else model
-    net.eval()
-    if bucketed:  # as DDP's forward would: every rank uses rank 0's BatchNorm statistics
-        broadcast(list(net.buffers()))
-    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # dice, loss, images
-    classes = value_count(cfg.num_classes)
-    confusion = torch.zeros(classes * classes, dtype=torch.int64, device=accelerator.device)
-    panel = None
+def evaluate(model, loader, accelerator, cfg, *, flips, weights, labels=None, background=0):
+    """Over the validation images, each counted once on any number of processes
+    (common/evaluation.py): `dice`, the mean of image_dice(), and from the confusion matrix of
+    every pixel, the IoU and Dice of each class (keyed by `labels`, the class names; default: the
+    class indices) and their mean, miou. flips: those to average over (flips_to_average);
+    weights: the loss's class weights."""
+    net = evaluation_model(model, accelerator, bucketed=cfg.bucket_by_size)
+    sums = ExactSums(accelerator, bucketed=cfg.bucket_by_size)
     for x, y in loader:
-        x_in = prepare_input(x, cfg)
-        logits = segment(net, x_in, tile=cfg.predict_tile, flips=flips, multiple=PAD_MULTIPLE)
-        if panels and panel is None:
-            panel = image_panel(x, logits, y, cfg.num_classes, colours=colours)
+        logits = segment(
+            net, prepare_input(x, cfg), tile=cfg.predict_tile, flips=flips, multiple=PAD_MULTIPLE
+        )
         loss = compute_loss(logits, y, cfg, weights)
-        counts = (loss, confusion_counts(logits, y, cfg.num_classes))  # per image: exact
-        loss, matrices = counts if bucketed else accelerator.gather_for_metrics(counts)
-        inter, total = dice_counts(matrices, cfg.num_classes, background)
-        # Per image, the classes in its mask or prediction: an absent class is no success.
-        present = total > 0
-        dice = (2 * inter / total.clamp(min=1)).double() * present
-        counted = present.sum(1)
-        totals[0] += torch.where(counted > 0, dice.sum(1) / counted.clamp(min=1), 1.0).sum()
-        totals[1] += loss.double().sum()
-        totals[2] += len(loss)
-        confusion += matrices.sum(0)
-    if bucketed:
-        totals = accelerator.reduce(totals, "sum")
-        confusion = accelerator.reduce(confusion, "sum")
-    dice_sum, loss_sum, images = totals.tolist()
-    iou, class_dice = class_scores(confusion, classes)
-    labels = labels or [str(c) for c in range(classes)]
-    result = {
-        "dice": dice_sum / images,
+        loss, matrices = sums.each_sample(loss, confusion_counts(logits, y, cfg.num_classes))
+        sums.add(dice=image_dice(matrices, cfg.num_classes, background), loss=loss, pixels=matrices)
+    totals = sums.totals()
+    images, confusion = totals["samples"], totals["pixels"]
+    iou, class_dice = class_scores(confusion, value_count(cfg.num_classes))
+    labels = labels or [str(c) for c in range(len(iou))]
+    return {
+        "dice": totals["dice"] / images,
         "miou": sum(v for v in iou if v is not None) / max(sum(v is not None for v in iou), 1),
-        "eval_loss": loss_sum / images,
-        "eval_samples": int(images),
+        "eval_loss": totals["loss"] / images,
+        "eval_samples": images,
         "eval_pixels": int(confusion.sum()),  # those not ignored, each counted once
         "iou_per_class": dict(zip(labels, iou)),
         "dice_per_class": dict(zip(labels, class_dice)),
     }
+
+
+def evaluate_with_average(model, ema, loader, accelerator, cfg, scoring):
+    """evaluate() of the model, and with ema (ema_decay) of the weights' moving average too, as
+    ema_miou, ema_dice, ...; scoring: evaluate()'s keyword arguments."""
+    result = evaluate(model, loader, accelerator, cfg, **scoring)
     if ema is not None:
-        averaged, _ = evaluate(
-            ema.synced(accelerator),
-            loader,
-            accelerator,
-            cfg,
-            flips=flips,
-            weights=weights,
-            labels=labels,
-            background=background,
-        )
+        averaged = evaluate(ema.synced(accelerator), loader, accelerator, cfg, **scoring)
         result.update({f"ema_{k}": v for k, v in averaged.items()})
-    return result, panel
+    return result
+
+
+@torch.inference_mode()
+def first_panel(model, loader, accelerator, cfg, *, flips, colours):
+    """image | prediction | truth of the first validation images, for the trackers: every process
+    runs the first batch (a DDP model waits for all), the main process logs it."""
+    x, y = next(iter(loader))
+    net = evaluation_model(model, accelerator, bucketed=cfg.bucket_by_size)
+    logits = segment(net, prepare_input(x, cfg), flips=flips, multiple=PAD_MULTIPLE)
+    return image_panel(x, logits, y, cfg.num_classes, colours=colours)
 
 
 def scalars(result):
@@ -547,7 +505,7 @@ def load_data(cfg, accelerator, trained=None):
         classes=mask_classes(cfg, trained),
         fixed="--mask_values" if cfg.mask_values else cfg.weights,
         num_classes=cfg.num_classes,
-        in_channels=3 if cfg.encoder else cfg.in_channels,  # an encoder takes RGB
+        in_channels=input_channels(cfg),
         image_size=image_size(cfg),
         scale=cfg.scale,
         bucket_by_size=cfg.bucket_by_size,
@@ -567,14 +525,14 @@ def load_data(cfg, accelerator, trained=None):
 
 
 def resolved(cfg, data, device):
-    """(cfg, class weights): cfg with what the data and the device decide, as main() trains and
-    scripts/bench.py measures it, so that the two cannot drift apart. The data (load_data)
+    """cfg with what the data and the device decide. The data (load_data)
     decides num_classes, in_channels, max_batch_pixels, cache_images and eval_batch_size (0: by
-    pixels); channels_last auto is on with CUDA, off on CPUs (docs/performance.md). The loss's
-    class weights are on `device`, or None unless class_weights is set."""
+    pixels), and hflip auto: 0 where classes are mirror twins (left/right), else 0.5; channels_last
+    auto is on with CUDA, off on CPUs (docs/performance.md)."""
     auto = cfg.channels_last is None
     cfg = replace(
         cfg,
+        hflip=(0.0 if data.twins else 0.5) if cfg.hflip is None else cfg.hflip,
         num_classes=data.num_classes,
         in_channels=data.in_channels,
         max_batch_pixels=data.max_batch_pixels,
@@ -582,8 +540,33 @@ def resolved(cfg, data, device):
         eval_batch_size=data.eval_batch_size,
         channels_last=device.type == "cuda" if auto else cfg.channels_last,
     )
-    weights = class_weights(cfg, data.class_pixels)
-    return cfg, None if weights is None else weights.to(device)
+    return cfg
+
+
+def settle(cfg, accelerator):
+    """(cfg, data, trained): the settings this run trains with, settled here once, as main()
+    trains and scripts/bench.py measures them (so that the two cannot drift apart), and the data
+    they read. In order: this process count's share of global_batch_size (batch_size and
+    accumulation steps), the model settings of --weights (trained: its record, or None), no
+    augmentation and a constant lr for overfit_batches, then the data (load_data) and what it
+    decides (resolved)."""
+    cfg = cfg.split_global_batch(accelerator.num_processes)
+    trained = read_trained(cfg.weights)  # --weights: its classes and model settings
+    if trained:
+        cfg = fit_to_record(
+            cfg, trained["model"], MODEL_SETTINGS, path=cfg.weights, inferred=INFERRED
+        )
+    if cfg.overfit_batches:  # the first batches as they are, at a constant lr
+        cfg = replace(cfg, **OVERFIT)
+    data = load_data(cfg, accelerator, trained)
+    return resolved(cfg, data, accelerator.device), data, trained
+
+
+SCHEDULERS = {  # the cosine's length is set by fit_schedule(), at the start and on a resume
+    "cosine": lambda optimizer: CosineAnnealingLR(optimizer, T_max=1),
+    "plateau": lambda optimizer: ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5),
+    "constant": lambda optimizer: ConstantLR(optimizer, factor=1.0, total_iters=0),
+}
 
 
 def make_optimizer(model, lr, cfg, accelerator):
@@ -675,6 +658,70 @@ def imbalance_note(cfg, data):
     )
 
 
+OVERFIT_IOU = 0.8  # overfit_batches: a class of the batches is learned at this IoU or more
+
+
+def overfit_verdict(result):
+    """The last line of an overfit_batches run: whether every class of the batches it trained and
+    evaluated on reached OVERFIT_IOU, and which did not."""
+    iou = {name: v for name, v in result["iou_per_class"].items() if v is not None}
+    low = {name: v for name, v in iou.items() if v < OVERFIT_IOU}
+    if not low:
+        return (
+            f"overfit check passed: every class of these batches at IoU {OVERFIT_IOU} or more "
+            f"(lowest {min(iou.values()):.2f})"
+        )
+    shown = ", ".join(f"{name} {v:.2f}" for name, v in sorted(low.items(), key=lambda x: x[1]))
+    return (
+        f"overfit check failed: {len(low)} of {len(iou)} classes below IoU {OVERFIT_IOU} "
+        f"({shown}): train longer (--epochs) or at a higher --lr, then see docs/unet.md, "
+        f"Learning your classes"
+    )
+
+
+def start_up_notes(cfg, data, asked):
+    """The lines under the start-up line (and the data check's): what augmentation runs, what
+    dice averages, what the data suggests (a void label, mirror twins), a dominant class. asked:
+    the settings as given, whose auto the notes explain."""
+    notes = [augmentation_note(cfg), dice_note(cfg, data), *data.notes]
+    notes += [twins_note(data, asked.hflip), imbalance_note(cfg, data)]
+    return [note for note in notes if note]
+
+
+def twins_note(data, hflip):
+    """A start-up line when classes are mirror twins (a left region and its right one: the data's
+    twins); hflip: the setting as given (None: auto, which is 0 when there are twins)."""
+    if not data.twins:
+        return None
+    twins, labels = data.twins, data.names
+    shown = ", ".join(f"{labels[i]}/{labels[j]}" for i, j in twins[:6])
+    more = f" ... ({len(twins)} pairs)" if len(twins) > 6 else ""
+    then = (
+        "hflip is 0 (auto; --hflip 0.5 flips anyway)"
+        if hflip is None
+        else f"--hflip {hflip:g} turns one into the other in training: leave hflip at auto"
+        if hflip
+        else "hflip 0 keeps them apart"
+    )
+    return (
+        f"note: classes {shown}{more} are mirror twins, each where the other's mirror image is "
+        f"(left and right): {then}"
+    )
+
+
+def augmentation_note(cfg):
+    """The start-up line that says what augmentation training runs (augment()), each setting at
+    its value: 0 turns it off."""
+    running = [
+        f"{name} {getattr(cfg, name):g}"
+        for name in ("hflip", "vflip", "zoom", "rotate", "jitter", "crop_size")
+        if getattr(cfg, name)
+    ]
+    if not running:
+        return "augmentation: none (hflip, vflip, zoom, rotate, jitter and crop_size all 0)"
+    return f"augmentation: {', '.join(running)} (each off at 0)"
+
+
 def dice_note(cfg, data):
     """The start-up line that says which classes `dice` averages: all but the background, the
     class of the most training pixels unless --background names one."""
@@ -689,45 +736,29 @@ def dice_note(cfg, data):
 
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
-    cfg = cfg.split_global_batch(launched_processes())  # global_batch_size: batch, accumulation
+    if cfg.predict or cfg.export or cfg.check_data:  # not training: the serving file serves
+        hand_over(SERVING)  # it runs in this process's place, with the same arguments
     accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
     # No cudnn.benchmark with bucket_by_size: it would time every new (batch, height, width).
     set_deterministic(cfg.deterministic, benchmark=not cfg.bucket_by_size)
-    if cfg.predict or cfg.export or cfg.check_data:  # not training: unet_predict.py serves
-        # ADAPT: your copy's serving file; imported here, not above, as it imports this one
-        from unet_predict import serve
-
-        return serve(cfg, accelerator)
     out, checkpoint = open_run(accelerator, cfg)
 
-    # 2. Data: each process checks a share of the masks; a bad one stops every rank alike.
-    if cfg.overfit_batches:  # the first batches as they are: no augmentation
-        cfg = replace(cfg, **NO_AUGMENTATION)
-    trained = read_trained(cfg.weights)  # --weights: its classes and model settings
-    if trained:
-        cfg = fit_to_record(
-            cfg, trained["model"], MODEL_SETTINGS, path=cfg.weights, inferred=INFERRED
-        )
+    # 2. Data, and the settings settled once: each process checks a share of the masks, and a
+    # bad one stops every rank alike; the data decides the classes and the input's channels.
+    asked = cfg  # as given: the start-up notes say what auto became
+    cfg, data, trained = settle(cfg, accelerator)
+    weights = class_weights(cfg, data.class_pixels, accelerator.device)  # the loss's, or None
     trained_flips = "h" * (cfg.hflip > 0) + "v" * (cfg.vflip > 0)  # what predict_flip may flip
     flips = flips_to_average(cfg, trained["flips"] if trained and cfg.eval_only else trained_flips)
-    data = load_data(cfg, accelerator, trained)
-    auto = cfg.channels_last is None  # for the start-up line
-    # Resolved before config.yaml records the settings; weights: the loss's class weights.
-    cfg, weights = resolved(cfg, data, accelerator.device)
     train_loader, val_loader = data.train_loader, data.val_loader
-    metrics = start_logging(accelerator, cfg, NAME, checkpoint=checkpoint)
+    metrics = start_logging(accelerator, cfg, NAME, checkpoint=checkpoint)  # config.yaml too
 
     # 3. Model, optimizer and schedule.
     settings = {k: getattr(cfg, k) for k in MODEL_SETTINGS}
-    model = build_model(settings, grad_checkpointing=cfg.grad_checkpointing)
-    if cfg.encoder_weights and not cfg.weights:  # a pretrained encoder, under a new decoder
-        load_encoder_weights(model, cfg.encoder_weights)
+    model = build_model(settings, cfg)
     load_weights(model, cfg.weights)  # --weights, if given
     model, norm = sync_batchnorm(model, accelerator, cfg.sync_bn)
-    channels = f"channels_last {'on' if cfg.channels_last else 'off'}{' (auto)' * auto}"
-    if cfg.channels_last:
-        model = model.to(memory_format=torch.channels_last)
     optimizer = make_optimizer(model, cfg.scaled_lr(accelerator.num_processes), cfg, accelerator)
     if cfg.bucket_by_size:  # bucketed loaders are sharded already: prepare() would deal them again
         model, optimizer = accelerator.prepare(model, optimizer)
@@ -736,21 +767,17 @@ def main(cfg):
             model, optimizer, train_loader, val_loader
         )
     ema = EMA.of(model, accelerator, cfg.ema_decay)  # the weights' moving average; None if 0
-    scheduler = (
-        CosineAnnealingLR(optimizer, T_max=1)  # T_max: fit_schedule() below
-        if cfg.scheduler == "cosine"
-        else ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5)
-    )
+    scheduler = SCHEDULERS[cfg.scheduler](optimizer)
     adamw = f"{'fused ' * bool(optimizer.defaults['fused'])}AdamW lr {optimizer.defaults['lr']:g}"
-    encoder = f"{cfg.encoder} encoder; " if cfg.encoder else ""
+    channels = "channels_last on" if cfg.channels_last else "channels_last off"
+    channels += " (auto)" if asked.channels_last is None else ""
     accelerator.print(
         f"{NAME}: {describe(accelerator, data.batch, cfg.global_batch_size)}; "
-        f"{MODES[cfg.in_channels]} images; "
-        f"{encoder}{adamw}; {norm}; {channels}; {data}; outputs to {out}/"
+        f"{MODES[cfg.in_channels]} images; {type(model).__name__}; {adamw}; {norm}; "
+        f"{channels}; {data}; outputs to {out}/"
     )
-    for note in [dice_note(cfg, data), *data.notes, imbalance_note(cfg, data)]:
-        if note:
-            accelerator.print(note)
+    for note in start_up_notes(cfg, data, asked):
+        accelerator.print(note)
 
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
     best = f"ema_{cfg.best_metric}" if ema else cfg.best_metric  # best.safetensors follows it
@@ -773,15 +800,13 @@ def main(cfg):
     record = weights_record(data, model=settings, scale=cfg.scale, flips=trained_flips)
     stored = record_metadata(RECORD, record, recipe=NAME)  # in every weights file, for predict
 
-    # 5. Train, evaluating after every epoch.
-    # How evaluate() scores: the flips it averages, the loss's class weights, the class names,
-    # the background that dice leaves out, and the moving average (ema) beside the model.
+    # 5. Train, evaluating after every epoch: the flips evaluate() averages, the loss's class
+    # weights, the class names and the background that dice leaves out.
     scoring = {
         "flips": flips,
         "weights": weights,
         "labels": data.names,
         "background": data.background,
-        "ema": ema,
     }
     result = None
     while progress.epochs_left():
@@ -804,10 +829,7 @@ def main(cfg):
         if progress.interrupted:
             break
         reset_peak_memory(accelerator.device)  # eval_peak_memory_mb: evaluation's own peak
-        panels = cfg.log_with != "none"
-        result, panel = evaluate(
-            model, val_loader, accelerator, cfg, **scoring, colours=data.colours, panels=panels
-        )
+        result = evaluate_with_average(model, ema, val_loader, accelerator, cfg, scoring)
         eval_peak = peak_memory_mb(accelerator.device)
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             if cfg.scheduler == "plateau":
@@ -824,8 +846,14 @@ def main(cfg):
             epoch=epoch, step=progress.step, lr=lr, **train, **result, eval_peak_memory_mb=eval_peak
         )
         accelerator.log({f"eval/{k}": v for k, v in scalars(result).items()}, step=progress.step)
-        for tracker_ in accelerator.trackers if panel is not None else []:  # main process only
-            tracker_.log_images({"eval/image_prediction_truth": panel.cpu()}, step=progress.step)
+        if accelerator.trackers:  # image | prediction | truth, logged by the main process
+            panel = first_panel(
+                model, val_loader, accelerator, cfg, flips=flips, colours=data.colours
+            )
+            for tracker_ in accelerator.trackers:
+                tracker_.log_images(
+                    {"eval/image_prediction_truth": panel.cpu()}, step=progress.step
+                )
         accelerator.print(
             f"epoch {epoch}: train loss {train['train_loss']:.4f}, dice {result['dice']:.4f}, "
             f"miou {result['miou']:.4f} ({result['eval_samples']} images), "
@@ -837,7 +865,7 @@ def main(cfg):
         accelerator.print(progress.why_stopped)
     if not progress.interrupted:
         if result is None:  # eval_only, or a resumed run that had nothing left to train
-            result, _ = evaluate(model, val_loader, accelerator, cfg, **scoring)
+            result = evaluate_with_average(model, ema, val_loader, accelerator, cfg, scoring)
             metrics.write(
                 epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
             )
@@ -851,6 +879,8 @@ def main(cfg):
             f"dice {result['dice']:.4f}, miou {result['miou']:.4f} on {result['eval_samples']} "
             f"validation images; outputs in {out}/"
         )
+        if cfg.overfit_batches:  # the check's answer: can the model learn these batches?
+            accelerator.print(overfit_verdict(result))
 
     # 7. Exit cleanly: drop what holds the process group, then close it.
     del model, optimizer, scheduler, train_loader, val_loader, data, ema

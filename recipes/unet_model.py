@@ -1,5 +1,15 @@
-"""Two U-Nets for recipes/unet.py, which builds one from its Config; replace them there.
+"""The U-Net recipe's model, the part a copy with its own model replaces (recipes/unet.py takes
+what is here by name, and nothing else of it):
 
+    ModelConfig                 the model's settings, which the recipe's Config takes in (a
+                                model of your own keeps in_channels and channels_last)
+    MODEL_SETTINGS              those that rebuild it, recorded in every weights file
+    build_model(settings, cfg)  the model those settings describe, as training builds it
+    prepare_input(x, cfg)       a uint8 batch as the model takes it (normalised for an encoder)
+    input_channels(cfg)         the channels the data is read in (0: the images' own)
+    PAD_MULTIPLE, MIN_SIZE      the sizes the model takes
+
+Two U-Nets:
 UNet: the classic U-Net of Ronneberger et al., as in milesial/Pytorch-UNet: 4 levels down, 4 up,
 a skip connection at each level, trained from scratch.
 
@@ -11,6 +21,7 @@ Both take grad_checkpointing: each level keeps only its input for backward and r
 weight, so weights files do not record it.
 """
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,27 +44,76 @@ ENCODER_STD = (0.229, 0.224, 0.225)
 ENCODER_MULTIPLE = 32  # the encoder halves an image 5 times: ResNetUNet pads to this internally
 
 
-def check_model_settings(cfg):
-    """The one-line errors of the model's settings, as the recipe's Config checks them at
-    start-up (build_unet takes them)."""
-    require(cfg.base_channels >= 1, f"base_channels must be at least 1, got {cfg.base_channels}")
-    require(
-        cfg.in_channels in (0, 1, 2, 3, 4),
-        f"in_channels must be 0 (from the images), 1, 2, 3 or 4, got {cfg.in_channels}",
-    )
-    require(
-        cfg.encoder in ("", *ENCODERS),
-        f"encoder must be empty (the classic U-Net) or {', '.join(ENCODERS)}, got {cfg.encoder!r}",
-    )
-    require(
-        not cfg.encoder or cfg.in_channels in (0, 3),
-        f"a {cfg.encoder} encoder takes RGB: leave in_channels at 0 (images are read as RGB)",
-    )
-    require(not cfg.encoder or not cfg.bilinear, "an encoder's decoder always interpolates")
-    require(
-        not cfg.encoder_weights or cfg.encoder,
-        "encoder_weights needs an encoder: add --encoder resnet34 (or resnet18, resnet50)",
-    )
+@dataclass
+class ModelConfig:
+    # Model. ADAPT: your model's settings (the recipe's Config takes them in: --help lists them).
+    in_channels: int = 0  # of the model's input: 1 grey, 3 RGB, 4 RGBA; 0: the images' own
+    encoder: str = ""  # resnet18, resnet34 or resnet50: a torchvision ResNet encoder; "": none
+    encoder_weights: str = ""  # pretrained encoder: a torchvision .pth file, or a name to download
+    base_channels: int = 64  # first level's width, doubled at each level down; 16 with encoder
+    bilinear: bool = False  # upsample by bilinear interpolation, not transposed convolutions
+    channels_last: bool | None = None  # NHWC: faster fp16/bf16 convolutions; auto: on with CUDA
+    grad_checkpointing: bool = False  # recompute each level's activations in backward: less memory
+
+    def validate(self):
+        """The one-line errors of the model's settings, at start-up; then the next class's."""
+        super().validate()
+        require(
+            self.base_channels >= 1, f"base_channels must be at least 1, got {self.base_channels}"
+        )
+        require(
+            self.in_channels in (0, 1, 2, 3, 4),
+            f"in_channels must be 0 (from the images), 1, 2, 3 or 4, got {self.in_channels}",
+        )
+        require(
+            self.encoder in ("", *ENCODERS),
+            f"encoder must be empty (the classic U-Net) or {', '.join(ENCODERS)}, got "
+            f"{self.encoder!r}",
+        )
+        require(
+            not self.encoder or self.in_channels in (0, 3),
+            f"a {self.encoder} encoder takes RGB: leave in_channels at 0 (images are read as RGB)",
+        )
+        require(not self.encoder or not self.bilinear, "an encoder's decoder always interpolates")
+        require(
+            not self.encoder_weights or self.encoder,
+            "encoder_weights needs an encoder: add --encoder resnet34 (or resnet18, resnet50)",
+        )
+
+
+# The settings that rebuild the model, recorded in the weights file for predict and export.
+MODEL_SETTINGS = ("in_channels", "num_classes", "encoder", "base_channels", "bilinear")
+
+
+def input_channels(cfg):
+    """The channels the images are read in: 3 (RGB) for an encoder, else in_channels (0: each
+    image's own mode decides, the same for all)."""
+    return 3 if cfg.encoder else cfg.in_channels
+
+
+def build_model(settings, cfg=None):
+    """The model that `settings` (MODEL_SETTINGS) describe, as predict and export rebuild it; with
+    the run's settings `cfg`, as training builds it: its activations recomputed in the backward
+    pass (grad_checkpointing, which changes no weight), its encoder started from encoder_weights
+    (unless --weights give the whole model), in channels_last memory format if set."""
+    if cfg is None:
+        return build_unet(**settings)
+    model = build_unet(**settings, grad_checkpointing=cfg.grad_checkpointing)
+    if cfg.encoder_weights and not cfg.weights:  # a pretrained encoder, under a new decoder
+        load_encoder_weights(model, cfg.encoder_weights)
+    return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
+
+
+# ADAPT: your input: a uint8 batch [N, C, H, W] as floats (training, predict and export); with a
+# pretrained encoder, normalised as its ImageNet weights expect.
+def prepare_input(x, cfg):
+    x = x.float() / 255
+    if cfg.encoder:
+        mean, std = (
+            torch.tensor(v, device=x.device).view(1, -1, 1, 1) for v in (ENCODER_MEAN, ENCODER_STD)
+        )
+        x = (x - mean) / std
+    return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
 
 
 def _call(module, *inputs):

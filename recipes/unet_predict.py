@@ -1,13 +1,13 @@
 """The U-Net's serving: predict, export and the data check, with the recipe's own model, input
-conversion and data (recipes/unet.py, which trains), run from the recipe or on their own:
+conversion and data (recipes/unet.py, which trains, and what it imports):
 
-    python recipes/unet.py --predict "photos/*.jpg" --weights runs/unet/model.safetensors --overlay
     python recipes/unet_predict.py --weights runs/unet/model.safetensors "photos/*.jpg" --overlay
     python recipes/unet_predict.py --export onnx --weights runs/unet/model.safetensors
     python recipes/unet_predict.py --check_data --images data/x/imgs --masks data/x/masks
 
-Every setting is the recipe's Config. A copy of the recipe copies this file too and points the
-two imports marked ADAPT at its own files, as its recipe points its serving import at this one.
+Every setting is the recipe's Config; `python recipes/unet.py --predict ...` runs this file in its
+place. A copy of the recipe copies this file too and points its one import marked ADAPT at the
+copy's recipe (recipes/unet.py never imports this file).
 """
 
 import sys
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from common.accelerator import close
+from common.accelerator import accelerator_for, close
 from common.checkpoint import load_weights
 from common.config import UserError
 from common.data import IMAGE_SUFFIXES, DataError, image_files, pad_to
@@ -31,25 +31,24 @@ from common.runtime import run_serving
 from common.segmentation_data import MODES, padded, show_value
 from common.tracking import overlay as painted_on
 from common.tracking import save_overlays
-from unet import (  # ADAPT: your recipe
+from unet import (  # ADAPT: your recipe (its model and data come with it)
     NAME,
     PAD_MULTIPLE,
     Config,
+    Pairs,
     build_model,
-    dice_note,
     flips_to_average,
-    imbalance_note,
-    load_data,
-    main,
+    list_pairs,
     prepare_input,
     read_trained,
-    resolved,
+    settle,
+    start_up_notes,
 )
-from unet_data import SHAPES, Pairs, list_pairs  # ADAPT: your data
 
 
-def serve(cfg, accelerator):
-    """What the recipe's main() hands over: --predict, --export or --check_data; then close."""
+def serve(cfg):
+    """--predict, --export or --check_data, on the processes of the accelerate config."""
+    accelerator = accelerator_for(cfg)
     if cfg.predict:
         predict(cfg, accelerator)
     elif cfg.export:
@@ -125,8 +124,9 @@ def export(cfg, accelerator):
 
 def export_inputs(cfg, record):
     """(inputs, what they are) that check an export (sample_images)."""
-    if cfg.dataset == SHAPES and not cfg.images and not Path(SHAPES).exists():
-        source = f"no --dataset, {SHAPES} is not made"
+    default = Config.dataset  # the recipe's own data, which need not be made
+    if cfg.dataset == default and not cfg.images and not Path(default).exists():
+        source = f"no --dataset, {default} is not made"
         return sample_images(None, record, multiple=PAD_MULTIPLE, source=source)
     val_pairs = Pairs(list_pairs(cfg)[1])
     return sample_images(val_pairs, record, multiple=PAD_MULTIPLE, source=cfg.images or cfg.dataset)
@@ -137,11 +137,9 @@ def check_data(cfg, accelerator, count=8):
     each class's share of the training pixels, every start-up note, and the first `count`
     training images as the model sees them, with their masks painted on, in
     output_dir/data_check.png. No training, no checkpoint."""
-    trained = read_trained(cfg.weights)  # --weights: its classes
-    data = load_data(cfg, accelerator, trained)
-    cfg, _ = resolved(cfg, data, accelerator.device)  # as training resolves it
+    settled, data, _ = settle(cfg, accelerator)  # as training settles it, --weights' classes too
     accelerator.print(f"{NAME} data check: {MODES[data.in_channels]} images; {data}")
-    for line in [*data.table, dice_note(cfg, data), *data.notes, imbalance_note(cfg, data)]:
+    for line in [*data.table, *start_up_notes(settled, data, cfg)]:
         if line:
             accelerator.print(line)
     if accelerator.is_main_process:
@@ -254,4 +252,4 @@ def sample_images(val_pairs, record, *, multiple, source, count=4):
 
 
 if __name__ == "__main__":  # unet_predict.py --weights W "photos/*.jpg"
-    run_serving(main, Config, recipe=NAME, script=__file__)
+    run_serving(serve, Config, recipe=NAME, script=__file__)

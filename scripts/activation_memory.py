@@ -35,7 +35,7 @@ sys.path[:0] = [str(REPO), str(REPO / "recipes")]  # common/ and the recipes' un
 import torch
 import torch.nn.functional as F
 
-from unet_model import ResNetUNet, UNet
+from unet_model import ResNetUNet, UNet, build_unet
 
 NUM_CLASSES = 2
 MODELS = {  # name in the table -> a builder taking grad_checkpointing
@@ -117,7 +117,7 @@ def training_and_evaluation_peaks(*, batch, eval_images, height, width, grad_che
 
     with FakeTensorMode():
         settings = dict(in_channels=3, num_classes=classes, encoder="", base_channels=64)
-        model = unet.build_model({**settings, "bilinear": False}, grad_checkpointing)
+        model = build_unet(**settings, bilinear=False, grad_checkpointing=grad_checkpointing)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         train_step(model, optimizer, *batch_of(batch))  # the optimizer's state exists from here
         training = peak_bytes(

@@ -6,6 +6,10 @@
         --sizes 48,64,96                          # mixed sizes, for bucket_by_size
     python scripts/make_shapes.py --out /tmp/carvana --count 40 --size 1918x1280 \
         --image_format jpg --mask_format gif      # Carvana's sizes and file types
+    python scripts/make_shapes.py --colours random --clutter 4 --count 1200 --size 96 --seed 1 \
+        --out data/shapes_shape                   # `make data/shapes_shape`: shape-coded
+    python scripts/make_shapes.py --binary --count 600 --size 96 \
+        --out data/shapes_binary                  # `make data/shapes_binary`: one object class
 
 The layout is the Carvana one that the recipe reads, so the demo and the tests use the real
 loading path: imgs/shape_0000.png (RGB) and masks/shape_0000_mask.png (8-bit greyscale), or with
@@ -22,6 +26,12 @@ rectangles greenish, triangles bluish, at random brightness), so a small U-Net l
 in a minute on a CPU; shape alone takes far longer. The masks are exact: a mask pixel is the
 class of the shape painted on that image pixel (no antialiasing). Image i depends only on
 (--seed, i), so the first 40 images of --count 200 are the images of --count 40.
+
+Two other kinds, for measuring what the U-Net learns (docs/unet.md, "Learning your classes"):
+- --colours random (with --clutter N): each shape in a random colour over a gradient between two
+  random colours with N strokes, rings and boxes in random colours that are background
+  (make_digits.py's background): only a shape's form tells its class, as in real data.
+- --binary: every shape is one class (mask 255), as in Carvana's or ISIC's masks: object or not.
 """
 
 import argparse
@@ -29,6 +39,7 @@ import colorsys
 from pathlib import Path
 
 import numpy as np
+from make_digits import clutter_background, random_colour
 from PIL import Image
 
 MASK_VALUES = {"circle": 85, "rectangle": 170, "triangle": 255}
@@ -58,9 +69,11 @@ def shape_pixels(kind, height, width, rng):
     )
 
 
-def make_pair(i, sizes, seed):
+def make_pair(i, sizes, seed, *, colours="class", clutter=0, binary=False):
     """Image i: (uint8 RGB [H, W, 3], uint8 mask [H, W]), H and W each drawn from `sizes`, or the
-    (width, height) of `sizes` when it is a tuple."""
+    (width, height) of `sizes` when it is a tuple. colours: class (a hue family per kind of
+    shape, on a greyish background) or random (any colour, on a gradient with `clutter` shapes);
+    binary: every shape's mask value is 255."""
     if isinstance(sizes, tuple):
         width, height = sizes
     elif len(sizes) > 1:
@@ -68,15 +81,23 @@ def make_pair(i, sizes, seed):
     else:
         height = width = sizes[0]
     rng = np.random.default_rng((seed, i))
-    image = rng.uniform(40, 215) + rng.uniform(-15, 15, 3) + rng.normal(0, 18, (height, width, 3))
+    if colours == "class":
+        image = rng.uniform(40, 215) + rng.uniform(-15, 15, 3)
+        image = image + rng.normal(0, 18, (height, width, 3))
+    else:
+        image = clutter_background(rng, height, clutter)
     mask = np.zeros((height, width), np.uint8)
     for _ in range(rng.integers(1, 4)):
         kind = rng.choice(list(MASK_VALUES))
-        hue = (HUES[kind] + rng.uniform(-0.06, 0.06)) % 1
-        color = 255 * np.array(colorsys.hsv_to_rgb(hue, rng.uniform(0.6, 1), rng.uniform(0.5, 1)))
+        if colours == "class":
+            hue = (HUES[kind] + rng.uniform(-0.06, 0.06)) % 1
+            hsv = (hue, rng.uniform(0.6, 1), rng.uniform(0.5, 1))
+            color = 255 * np.array(colorsys.hsv_to_rgb(*hsv))
         pixels = shape_pixels(kind, height, width, rng)
+        if colours == "random":  # any colour that stands out from the background under it
+            color = random_colour(rng, away_from=image[pixels].mean(0))
         image[pixels] = color + rng.normal(0, 18, (pixels.sum(), 3))
-        mask[pixels] = MASK_VALUES[kind]
+        mask[pixels] = 255 if binary else MASK_VALUES[kind]
     return np.clip(image, 0, 255).astype(np.uint8), mask
 
 
@@ -93,6 +114,17 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--image_format", choices=["png", "jpg"], default="png")
     p.add_argument("--mask_format", choices=["png", "gif"], default="png")
+    p.add_argument(
+        "--colours",
+        choices=("class", "random"),
+        default="class",
+        help="class: a hue family per kind of shape, which gives the class away; random: only "
+        "the form tells (square images only)",
+    )
+    p.add_argument(
+        "--clutter", type=int, default=0, help="--colours random: background shapes per image"
+    )
+    p.add_argument("--binary", action="store_true", help="one class: every shape is mask 255")
     args = p.parse_args()
     if args.sizes:
         sizes = [int(v) for v in args.sizes.split(",")]
@@ -100,13 +132,17 @@ def main():
         sizes = tuple(int(v) for v in args.size.split("x"))
     else:
         sizes = [int(args.size)]
+    if args.colours == "random" and (isinstance(sizes, tuple) or len(sizes) > 1):
+        p.error("--colours random makes square images of one --size")
 
     out = Path(args.out)
     (out / "imgs").mkdir(parents=True, exist_ok=True)
     (out / "masks").mkdir(parents=True, exist_ok=True)
     greys = [v for level in range(256) for v in (level, level, level)]
     for i in range(args.count):
-        image, mask = make_pair(i, sizes, args.seed)
+        image, mask = make_pair(
+            i, sizes, args.seed, colours=args.colours, clutter=args.clutter, binary=args.binary
+        )
         Image.fromarray(image).save(out / "imgs" / f"shape_{i:04d}.{args.image_format}")
         mask = Image.fromarray(mask)
         if args.mask_format == "gif":  # a palette of greys: index v is grey level v

@@ -48,7 +48,7 @@ def whole(model, when):
 
 
 whole(model, "after prepare")
-result, _ = unet.evaluate(model, val_loader, accelerator, cfg, flips="h", weights=None)  # bare
+result = unet.evaluate(model, val_loader, accelerator, cfg, flips="h", weights=None)  # bare
 whole(model, "after evaluate")
 save_weights(accelerator, model, out / "model.safetensors")
 whole(model, "after save_weights")

@@ -30,7 +30,9 @@ def test_the_first_batches_of_each_process_are_what_trains_and_what_evaluates(
     overfit = parse_config(
         unet.Config, [str(a) for a in [*args, "--batch_size", 4, "--overfit_batches", 2]]
     )
-    data = unet.load_data(overfit, build_accelerator())
+    settled, data, _ = unet.settle(overfit, build_accelerator())
+    # Unaugmented, at a constant lr: a schedule fitted to a short run would lower it first.
+    assert (settled.hflip, settled.zoom, settled.scheduler) == (0, 0, "constant")
     train_pairs, _ = unet.list_pairs(cfg)
     names = [name for _, _, name in train_pairs[:8]]
     for loader in (data.train_loader, data.val_loader):
@@ -43,9 +45,21 @@ def test_the_first_batches_of_each_process_are_what_trains_and_what_evaluates(
     args = ["--dataset", str(tiny_mnist), "--batch_size", "16"]
     everything, _ = mnist.make_loaders(parse_config(mnist.Config, args))
     overfit = parse_config(mnist.Config, [*args, "--overfit_batches", "2"])
+    settled, *_ = mnist.settle(overfit, build_accelerator())
+    assert (settled.shift, settled.scheduler, settled.gamma) == (0, "step", 1.0)
     for loader in mnist.make_loaders(overfit, processes=2):
         for got, expected in zip(loader.dataset.tensors, everything.dataset.tensors):
             assert torch.equal(got, expected[:64])
+
+
+def test_the_overfit_check_says_which_classes_it_did_not_learn(unet):
+    result = {"iou_per_class": {"background": 0.99, "seven": 0.41, "one": 0.85, "two": None}}
+    assert unet.overfit_verdict(result) == (
+        "overfit check failed: 1 of 3 classes below IoU 0.8 (seven 0.41): train longer "
+        "(--epochs) or at a higher --lr, then see docs/unet.md, Learning your classes"
+    )
+    result["iou_per_class"]["seven"] = 0.8
+    assert unet.overfit_verdict(result).startswith("overfit check passed")
 
 
 @pytest.mark.slow
@@ -83,8 +97,10 @@ def test_a_unet_memorises_a_few_images_whose_classes_differ_only_by_shape(unet, 
     iou = last["iou_per_class"]  # by class name: here, the mask values
     assert sorted(int(c) for c in iou) == sorted(set(np.unique(masks).tolist()) - {255})
     assert len(iou) >= 4 and min(iou.values()) >= 0.9, last
+    assert "overfit check passed: every class of these batches at IoU 0.8 or more" in res.output
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert (config["hflip"], config["zoom"], config["jitter"]) == (0, 0, 0)  # as they are
+    assert config["scheduler"] == "constant"  # the lr as given, throughout
 
 
 @pytest.mark.slow

@@ -287,7 +287,7 @@ def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(tiny_mni
         ["--predict", str(data / "test" / "*" / "*.png"), "--weights", str(weights)]
         + ["--predict_csv", str(tmp_path / "p.csv"), "--top_k", "2"],
     )
-    classes = mnist.recorded_classes(cfg.weights)
+    classes = read_record(cfg.weights, "classes")
     model = mnist.BasicNet(num_classes=len(classes))
     serving = load_recipe("mnist_predict")
     serving.predict(cfg, build_accelerator(), model, classes)
@@ -358,7 +358,7 @@ def test_dice_counts_only_the_classes_an_image_holds_or_is_predicted_to_hold(une
     masks[0, 8:16, 8:16] = 1
     batch = (torch.zeros(2, 3, 32, 32, dtype=torch.uint8), masks)
     cfg = parse_config(unet.Config, ["--num_classes", "4"])
-    result, _ = unet.evaluate(
+    result = unet.evaluate(
         Background(), [batch], build_accelerator(), cfg, flips="", weights=None, background=0
     )
     assert result["dice"] == pytest.approx(0.5)

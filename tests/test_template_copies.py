@@ -79,20 +79,22 @@ def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
 
 
 @contextlib.contextmanager
-def copied_unet(name, *, recipe=None, data=None):
+def copied_unet(name, *, recipe=None, data=None, model=None):
     """The U-Net copied as README "Make your own recipe" says: recipes/NAME.py (`recipe`: the
-    edited text of unet.py, else as it is) and its serving file recipes/NAME_predict.py, and
-    with `data` (the edited text of unet_data.py) recipes/NAME_data.py, each file's imports
-    pointed at the others. Yields (the recipe's path, {file: lines of the original it changed}),
-    and deletes them on leaving."""
+    edited text of unet.py, else as it is) and its serving file recipes/NAME_predict.py, with
+    `data` (the text of the copy's data file) recipes/NAME_data.py and with `model` (the text of
+    the copy's model file) recipes/NAME_model.py, each file's imports pointed at the others.
+    Yields (the recipe's path, {file: lines of the original it changed}; a new model file counts
+    all its lines), and deletes them on leaving."""
     originals = {f: (REPO / "recipes" / f"{f}.py").read_text() for f in UNET_FILES}
     texts = {"unet": recipe or originals["unet"], "unet_predict": originals["unet_predict"]}
-    texts["unet"] = texts["unet"].replace("from unet_predict import", f"from {name}_predict import")
     texts["unet_predict"] = texts["unet_predict"].replace("from unet import", f"from {name} import")
-    if data is not None:
-        texts["unet_data"] = data
-        for f in ("unet", "unet_predict"):
-            texts[f] = texts[f].replace("from unet_data import", f"from {name}_data import")
+    for part, text in (("data", data), ("model", model)):
+        if text is not None:
+            texts[f"unet_{part}"] = text
+            texts["unet"] = texts["unet"].replace(
+                f"from unet_{part} import", f"from {name}_{part} import"
+            )
     paths = {f: REPO / "recipes" / f"{f.replace('unet', name, 1)}.py" for f in texts}
     for f, text in texts.items():
         paths[f].write_text(text)
@@ -103,7 +105,7 @@ def copied_unet(name, *, recipe=None, data=None):
             path.unlink()
 
 
-UNET_FILES = ("unet", "unet_predict", "unet_data")
+UNET_FILES = ("unet", "unet_predict", "unet_data", "unet_model")
 
 
 def short_name():
@@ -111,19 +113,58 @@ def short_name():
     return f"my_{uuid.uuid4().hex[:4]}"
 
 
-TINY_SEGMENTER = """
-class TinySegmenter(torch.nn.Module):  # the user's own model: a few convolutions, no U
+TINY_MODEL = '''"""A copy's own model file: a few convolutions, no U, and only its settings."""
+
+from dataclasses import dataclass
+
+import torch
+
+from common.config import require
+
+PAD_MULTIPLE = 16  # the sides that padded batches and predict's tiles keep to
+MIN_SIZE = 32
+MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels")
+
+
+@dataclass
+class ModelConfig:
+    # Model.
+    in_channels: int = 0  # 1 grey, 3 RGB; 0: the images' own
+    base_channels: int = 8  # the convolutions' width
+    channels_last: bool | None = None  # NHWC; auto: on with CUDA
+
+    def validate(self):
+        super().validate()
+        require(self.base_channels >= 1, "base_channels must be at least 1")
+
+
+class TinySegmenter(torch.nn.Module):
     def __init__(self, in_channels, num_classes, base_channels):
         super().__init__()
         self.body = torch.nn.Sequential(
             torch.nn.Conv2d(in_channels, base_channels, 3, padding=1),
-            torch.nn.BatchNorm2d(base_channels), torch.nn.ReLU(),
-            torch.nn.Conv2d(base_channels, num_classes, 1))
+            torch.nn.BatchNorm2d(base_channels),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(base_channels, num_classes, 1),
+        )
 
     def forward(self, x):
         return self.body(x)
 
-"""
+
+def input_channels(cfg):
+    return cfg.in_channels
+
+
+def build_model(settings, cfg=None):
+    model = TinySegmenter(**settings)
+    return model.to(memory_format=torch.channels_last) if cfg and cfg.channels_last else model
+
+
+def prepare_input(x, cfg):
+    x = x.float() / 255
+    return x.contiguous(memory_format=torch.channels_last) if cfg.channels_last else x
+'''
 VOC_LIST_PAIRS = '''def list_pairs(cfg):
     """Pascal VOC's layout: JPEGImages/NAME.jpg with SegmentationClass/NAME.png, the names of
     each split in ImageSets/Segmentation/SPLIT.txt (--train_split train --val_split val)."""
@@ -139,10 +180,9 @@ VOC_LIST_PAIRS = '''def list_pairs(cfg):
     return split(cfg.train_split), split(cfg.val_split)
 '''
 # README "Make your own recipe" states these numbers: the lines that a copy of the U-Net with its
-# own model changes (the 2 model lines and the U-Net's import, the data and serving imports), and
-# a copy of its data file adapted to VOC's layout (list_pairs() and its helpers' import); its
-# serving file changes 2.
-UNET_CHANGED_LINES = 5
+# own model and data changes (the imports of its model and data files), and a copy of its data
+# file adapted to VOC's layout (list_pairs() and its helpers' import); its serving file changes 1.
+UNET_CHANGED_LINES = 2
 VOC_CHANGED_LINES = 36
 
 
@@ -162,24 +202,14 @@ def with_list_pairs(list_pairs):
 def test_a_unet_copy_with_its_own_model_and_data_trains_on_1_and_2_processes_predicts_and_exports(
     shapes, tmp_path
 ):
-    # The U-Net copied with its serving file (predict, export) and its data file: its own model
-    # in the recipe, VOC's layout in list_pairs(). Predict and export take the copy's own model
-    # and data, and the adapted files leave no dead code behind: they pass CI's lint.
-    original = (REPO / RECIPE).read_text()
-    marker = "# ADAPT: your model: the Config fields that build it"
-    source = original.replace(marker, TINY_SEGMENTER + marker)
-    source = source.replace(
-        'MODEL_SETTINGS = ("in_channels", "num_classes", "encoder", "base_channels", "bilinear")',
-        'MODEL_SETTINGS = ("in_channels", "num_classes", "base_channels")',
-    )
-    source = source.replace(
-        "    return build_unet(**settings, grad_checkpointing=grad_checkpointing)",
-        "    return TinySegmenter(**settings)",
-    )
-    source = source.replace("    build_unet,\n", "")  # imported for the U-Net alone: # ADAPT
+    # The U-Net copied with its serving file (predict, export), its data file (VOC's layout in
+    # list_pairs()) and a model file of its own, which takes only its own settings. Predict and
+    # export take the copy's own model and data, and the adapted files leave no dead code behind:
+    # they pass CI's lint.
     root = voc_layout(shapes, tmp_path / "voc")
     name = short_name()
-    with copied_unet(name, recipe=source, data=with_list_pairs(VOC_LIST_PAIRS)) as (copy, changed):
+    data = with_list_pairs(VOC_LIST_PAIRS)
+    with copied_unet(name, data=data, model=TINY_MODEL) as (copy, changed):
         lint = subprocess.run(
             [BIN / "ruff", "check", *copy.parent.glob(f"{name}*.py")],
             cwd=REPO,
@@ -198,12 +228,11 @@ def test_a_unet_copy_with_its_own_model_and_data_trains_on_1_and_2_processes_pre
             launcher="python",
         )
         exported = launch([*args, "--export", "onnx", "--weights", weights], launcher="python")
-    assert changed == {
-        "unet": UNET_CHANGED_LINES,
-        "unet_predict": 2,
-        "unet_data": VOC_CHANGED_LINES,
-    }
+        refused = launch([*train, "--encoder", "resnet18"], launcher="python")
+    assert changed["unet"] == UNET_CHANGED_LINES and changed["unet_predict"] == 1
+    assert changed["unet_data"] == VOC_CHANGED_LINES
     assert lint.returncode == 0, lint.stdout
+    assert "unknown setting 'encoder'" in refused.output, refused  # the U-Net's went with it
     for res, out in ((one, "one"), (two, "two")):
         assert_ok(res)
         assert "classes: mask values 0,1,2,3; ignored: 255" in res.output, res
@@ -227,18 +256,20 @@ GREY_LOSS = """\
     ce = F.cross_entropy(logits.float(), target, weights, ignore_index=IGNORE, reduction="none")
     return ce.sum((1, 2)) / (target != IGNORE).sum((1, 2)).clamp(min=1)
 """
-GREY_CHANGED_LINES = 23  # the in_channels default, the loss's 21 lines, the serving import
+GREY_CHANGED_LINES = 22  # the loss's 21 lines, the model file's import
 
 
 @pytest.mark.slow
 def test_a_unet_copy_for_grey_images_with_its_own_loss_trains_and_predicts(shapes, tmp_path):
-    # What a user with 1-channel images of 3 classes changes: in the copied recipe only.
+    # What a user with 1-channel images of 3 classes changes: the loss, in the copied recipe, and
+    # the model's input channels by default, in the copied model file: every image is read grey,
+    # even one saved as RGB.
     original = (REPO / RECIPE).read_text()
     start = original.index("\n", original.index("def loss_per_image(")) + 1  # its body
     source = original[:start] + GREY_LOSS + original[original.index("\n\n\n", start) + 1 :]
-    # Read every image as grey, even one saved as RGB: the model's input channels by default.
-    line = next(line for line in source.splitlines() if line.startswith("    in_channels: int = 0"))
-    source = source.replace(line, "    in_channels: int = 1  # grey images")
+    model = (REPO / "recipes" / "unet_model.py").read_text()
+    line = next(line for line in model.splitlines() if line.startswith("    in_channels: int = 0"))
+    model = model.replace(line, "    in_channels: int = 1  # grey images")
     root = tmp_path / "grey"  # grey images, with one left in RGB, and 3 classes: 255 joins 170
     for folder in ("imgs", "masks"):
         (root / folder).mkdir(parents=True)
@@ -248,7 +279,7 @@ def test_a_unet_copy_for_grey_images_with_its_own_loss_trains_and_predicts(shape
         mask = np.asarray(Image.open(path))
         merged = np.where(mask == 255, 170, mask).astype(np.uint8)
         Image.fromarray(merged).save(root / "masks" / path.name)
-    with copied_unet(short_name(), recipe=source) as (copy, changed):
+    with copied_unet(short_name(), recipe=source, model=model) as (copy, changed):
         args = [copy, "--dataset", root, *FAST, "--base_channels", 8, "--smoke"]
         res = launch([*args, "--output_dir", tmp_path / "out"], launcher="python", env=ONE_THREAD)
         weights = tmp_path / "out" / "model.safetensors"
@@ -257,7 +288,7 @@ def test_a_unet_copy_for_grey_images_with_its_own_loss_trains_and_predicts(shape
             [copy, "--predict", image, "--weights", weights, "--predict_dir", tmp_path / "masks"],
             launcher="python",
         )
-    assert changed == {"unet": GREY_CHANGED_LINES, "unet_predict": 1}
+    assert changed == {"unet": GREY_CHANGED_LINES, "unet_predict": 1, "unet_model": 1}
     assert_ok(res)
     assert "; L images; " in res.output and "classes: mask values 0,85,170;" in res.output, res
     stored = read_trained(weights)
@@ -373,5 +404,5 @@ def test_a_unet_copy_adapted_to_a_public_layout_changes_only_its_data_part(
         copy = load_recipe(name)
         cfg = parse_config(copy.Config, [str(a) for a in ["--dataset", root, *settings, *FAST]])
         data = copy.load_data(cfg, build_accelerator())
-    assert changed["unet"] == 2 and changed["unet_predict"] == 2  # the imports, marked # ADAPT
+    assert changed["unet"] == 1 and changed["unet_predict"] == 1  # the imports, marked # ADAPT
     assert classes in str(data) and len(data.val_loader.dataset) == 10, data

@@ -39,15 +39,15 @@ def test_miou_comes_from_one_confusion_matrix_and_leaves_absent_classes_out():
 def test_class_weights_and_the_focal_loss(unet):
     cfg = unet.Config(num_classes=3, class_weights="auto")
     pixels = [900, 90, 10]
-    weights = unet.class_weights(cfg, pixels)
+    weights = unet.class_weights(cfg, pixels, "cpu")
     share = torch.tensor(pixels) / 1000
     assert weights[0] < weights[1] < weights[2] <= 50 * weights[0]  # rare classes weigh more
     assert (weights * share).sum().item() == pytest.approx(1)  # the average pixel weighs 1
-    assert unet.class_weights(unet.Config(num_classes=3), pixels) is None  # off by default
-    listed = unet.class_weights(unet.Config(num_classes=3, class_weights="0.5,1,2"), pixels)
+    assert unet.class_weights(unet.Config(num_classes=3), pixels, "cpu") is None  # off by default
+    listed = unet.class_weights(unet.Config(num_classes=3, class_weights="0.5,1,2"), pixels, "cpu")
     assert listed.tolist() == [0.5, 1, 2]
     with pytest.raises(UserError, match=re.escape("class_weights lists 2 weights for 3 classes")):
-        unet.class_weights(unet.Config(num_classes=3, class_weights="1,2"), pixels)
+        unet.class_weights(unet.Config(num_classes=3, class_weights="1,2"), pixels, "cpu")
     # The weights scale each pixel's cross-entropy by its true class's weight.
     torch.manual_seed(0)
     logits, target = torch.randn(1, 3, 4, 4), torch.randint(0, 3, (1, 4, 4))

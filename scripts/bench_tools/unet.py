@@ -80,8 +80,8 @@ def bench_unet(args, accelerator):
             f"classic loop opens the files), not {cfg.dataset}"
         )
     # The recipe's own data path, as its main() builds it on one process.
-    data = unet.load_data(cfg, accelerator)
-    cfg, weights = unet.resolved(cfg, data, device)  # channels_last auto, the classes, ...
+    cfg, data, _ = unet.settle(cfg, accelerator)  # channels_last auto, the classes, ...
+    weights = unet.class_weights(cfg, data.class_pixels, device)
     train_loader, values = data.train_loader, data.values
     train_source, _ = list_pairs(cfg)  # the image and mask files, for the classic loop
     workers = worker_count(cfg.num_workers, 1)  # the recipe's when it does not cache
@@ -93,9 +93,7 @@ def bench_unet(args, accelerator):
     def new_model(cfg=cfg, tutorial=False):
         set_seed(cfg.seed)  # the same initial weights in every variant
         settings = {name: getattr(cfg, name) for name in unet.MODEL_SETTINGS}
-        model = unet.build_model(settings, grad_checkpointing=cfg.grad_checkpointing)
-        if cfg.channels_last:
-            model = model.to(memory_format=torch.channels_last)
+        model = unet.build_model(settings, cfg)  # as main() builds it
         if tutorial:  # the recipe's AdamW settings, with the foreach kernels that milesial asks for
             optimizer = torch.optim.AdamW(
                 model.parameters(), lr=lr, weight_decay=cfg.weight_decay, foreach=True
@@ -177,7 +175,7 @@ def bench_unet(args, accelerator):
     info = {
         "dataset": cfg.dataset,
         "config": args.config,
-        "settings": dataclasses.asdict(cfg),  # as main() resolves them (unet.resolved)
+        "settings": dataclasses.asdict(cfg),  # as main() settles them (unet.settle)
         "train_samples": len(train_set),
         "batch_size": cfg.batch_size,
         "input_size": list(x.shape[1:]),
