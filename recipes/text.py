@@ -2,11 +2,13 @@
 
     make data/spam && python recipes/text.py                     # one process, ham against spam
     accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/text.py --dataset DIR
-    python recipes/text_predict.py --weights runs/text/model.safetensors "mail/*.txt"
+    python recipes/text.py --predict "mail/*.txt" --weights runs/text/model.safetensors
 
 The accelerate config picks CPU, GPUs and fp16/bf16. Settings: the Config fields below and
 common.config's RunConfig, by `--config run.yaml` and `--field value`. This file trains;
-predict, export and the data check are text_predict.py's. Copy these files to start your own
+predict, export and the data check are text_predict.py's, which runs in this file's place when
+given --predict, --export or --check_data (it imports this file, never the other way). Copy
+these files to start your own
 recipe; `# ADAPT:` marks what to change: here, in text_data.py (the data) and text_model.py
 (the model and its input).
 """
@@ -31,7 +33,6 @@ from common.accelerator import (
     describe,
     from_main_process,
     fused_kernels,
-    launched_processes,
 )
 from common.checkpoint import (
     fit_to_record,
@@ -46,10 +47,11 @@ from common.config import RunConfig, UserError, require, require_at_least
 from common.data import DataError
 from common.determinism import set_deterministic
 from common.ema import EMA
+from common.evaluation import ExactSums, evaluation_model
 from common.metrics import peak_memory_mb, reset_peak_memory
 from common.outputs import open_run
 from common.progress import Progress
-from common.runtime import run
+from common.runtime import hand_over, run
 from common.schedule import fit_schedule
 from common.signals import catch_stop_signals
 from common.text_data import (
@@ -73,6 +75,7 @@ from text_model import (  # ADAPT: your model
 )
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
+SERVING = Path(__file__).with_name(f"{NAME}_predict.py")  # predict, export, the data check
 
 
 @dataclass
@@ -220,6 +223,24 @@ def resolved(cfg, data):
     return replace(cfg, max_batch_tokens=budget)
 
 
+def settle(cfg, accelerator, checkpoint=None):
+    """(cfg, data, train_loader, test_loader): the settings this run trains with, settled here
+    once, and the data they read: this process count's share of global_batch_size (batch_size and
+    accumulation steps); the model settings of --weights (its record); a constant lr for
+    overfit_batches; the documents as token ids (load_data); max_batch_tokens (resolved); then
+    the loaders by length (make_loaders). checkpoint: the one the run resumes from, whose
+    tokenizer it keeps."""
+    cfg = cfg.split_global_batch(accelerator.num_processes)
+    trained = read_trained(cfg.weights)  # --weights: its model settings, classes, tokenizer
+    if trained:
+        cfg = fit_to_record(cfg, trained["model"], MODEL_SETTINGS, path=cfg.weights, inferred=())
+    if cfg.overfit_batches:  # the first batches as they are, at a constant lr
+        cfg = replace(cfg, scheduler="constant")
+    data = load_data(cfg, accelerator, trained, checkpoint)
+    cfg = resolved(cfg, data)
+    return cfg, data, *make_loaders(cfg, data, accelerator)
+
+
 def make_loaders(cfg, data, accelerator):
     """The loaders by length, sharded and on the device already (do not prepare() them)."""
     train_loader = train_loader_by_length(
@@ -337,48 +358,47 @@ def train_one_epoch(model, loader, optimizer, *, scheduler, accelerator, cfg, pr
 
 
 @torch.inference_mode()
-def evaluate(model, loader, accelerator, ema=None):
+def evaluate(model, loader, accelerator):
     """Accuracy and loss over the test split, every document counted once on any number of
-    processes. The batches by length pad nothing, so the processes may hold different numbers
-    of them: nothing may wait on other processes per batch (the unwrapped model: DDP's forward
-    may), and one reduce ends the loop. With ema (ema_decay), the average's too: ema_accuracy..."""
-    net = accelerator.unwrap_model(model, keep_torch_compile=False).eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)
+    processes. Its batches by length repeat nothing, so the processes may hold different numbers
+    of them: no process waits on another per batch (common/evaluation.py)."""
+    net = evaluation_model(model, accelerator, bucketed=True)
+    sums = ExactSums(accelerator, bucketed=True)
     for x, y in loader:
         logits = net(x).float()
-        totals[0] += (logits.argmax(1) == y).sum()  # ADAPT: your metric
-        totals[1] += F.cross_entropy(logits, y, reduction="sum")
-        totals[2] += len(y)
-    correct, loss_sum, documents = accelerator.reduce(totals, "sum").tolist()
-    averaged = evaluate(ema.synced(accelerator), loader, accelerator) if ema is not None else {}
+        loss = F.cross_entropy(logits, y, reduction="none")  # ADAPT: your loss and metric
+        loss, correct = sums.each_sample(loss, logits.argmax(1) == y)
+        sums.add(loss=loss, correct=correct)
+    totals = sums.totals()
     return {
-        "accuracy": correct / documents,
-        "eval_loss": loss_sum / documents,
-        "eval_samples": int(documents),
-        **{f"ema_{k}": v for k, v in averaged.items()},
+        "accuracy": totals["correct"] / totals["samples"],
+        "eval_loss": totals["loss"] / totals["samples"],
+        "eval_samples": totals["samples"],
     }
+
+
+def evaluate_with_average(model, ema, loader, accelerator):
+    """evaluate() of the model, and with ema (ema_decay) of the weights' moving average too, as
+    ema_accuracy, ema_eval_loss, ..."""
+    result = evaluate(model, loader, accelerator)
+    if ema is not None:
+        averaged = evaluate(ema.synced(accelerator), loader, accelerator)
+        result.update({f"ema_{k}": v for k, v in averaged.items()})
+    return result
 
 
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
-    cfg = cfg.split_global_batch(launched_processes())  # global_batch_size: batch, accumulation
-    if cfg.predict or cfg.export or cfg.check_data:  # this file trains; it imports no serving
-        raise UserError(
-            f"{NAME}.py trains: predict, export and the data check are python "
-            f"recipes/{NAME}_predict.py's, with the same settings"
-        )
+    if cfg.predict or cfg.export or cfg.check_data:  # not training: the serving file serves
+        hand_over(SERVING)  # it runs in this process's place, with the same arguments
     accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
     set_deterministic(cfg.deterministic, benchmark=False)  # lengths vary: no cuDNN autotuning
     out, checkpoint = open_run(accelerator, cfg)
 
-    # 2. Data: every process reads every document; the loaders deal the batches out.
-    trained = read_trained(cfg.weights)  # --weights: its model settings, classes, tokenizer
-    if trained:
-        cfg = fit_to_record(cfg, trained["model"], MODEL_SETTINGS, path=cfg.weights, inferred=())
-    data = load_data(cfg, accelerator, trained, checkpoint)
-    cfg = resolved(cfg, data)  # settled here, once: config.yaml records it as trained
-    train_loader, test_loader = make_loaders(cfg, data, accelerator)
+    # 2. Data, and the settings settled once: every process reads every document (bad data
+    # stops all alike); the loaders deal the batches out by length.
+    cfg, data, train_loader, test_loader = settle(cfg, accelerator, checkpoint)
     metrics = start_logging(accelerator, cfg, NAME, checkpoint=checkpoint)
 
     # 3. Model, optimizer and schedule.
@@ -441,7 +461,7 @@ def main(cfg):
         if progress.interrupted:
             break
         reset_peak_memory(accelerator.device)  # eval_peak_memory_mb: evaluation's own peak
-        result = evaluate(model, test_loader, accelerator, ema)
+        result = evaluate_with_average(model, ema, test_loader, accelerator)
         eval_peak = peak_memory_mb(accelerator.device)
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             if progress.improved(result):  # also counts evaluations for early stopping
@@ -467,7 +487,7 @@ def main(cfg):
         accelerator.print(progress.why_stopped)
     if not progress.interrupted:
         if result is None:  # eval_only, or a resumed run that had nothing left to train
-            result = evaluate(model, test_loader, accelerator, ema)
+            result = evaluate_with_average(model, ema, test_loader, accelerator)
             metrics.write(
                 epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
             )

@@ -1,7 +1,9 @@
 """The text recipe's serving: predict, export and the data check, with the recipe's own model,
-input and data (recipes/text.py, which trains, imports nothing of this file):
+input and data (recipes/text.py, which trains, imports nothing of this file; given --predict,
+--export or --check_data it runs this file in its place):
 
     python recipes/text_predict.py --weights runs/text/model.safetensors "mail/*.txt"
+    python recipes/text.py --predict "mail/*.txt" --weights runs/text/model.safetensors
     python recipes/text_predict.py --export onnx --weights runs/text/model.safetensors
     python recipes/text_predict.py --check_data --dataset data/spam
 

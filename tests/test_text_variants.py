@@ -164,9 +164,11 @@ def test_export_to_onnx_and_predict_from_it_on_two_processes(model, text_corpus,
     assert f"(test documents of {text_corpus})" in exported.output, exported
     files = str(text_corpus / "test" / "*" / "*.txt")
     predictions = {}
-    for source, nproc in ((weights, 1), (weights.with_suffix(".onnx"), 2)):
+    # The recipe runs its serving file in its place; the .onnx file predicts on 2 processes.
+    for script, source, nproc in ((RECIPE, weights, 1), (SERVING, weights.with_suffix(".onnx"), 2)):
         path = tmp_path / f"{source.suffix[1:]}.csv"
-        res = launch([SERVING, "--weights", source, files, "--predict_csv", path], nproc=nproc)
+        args = [script, "--weights", source, "--predict", files, "--predict_csv", path]
+        res = launch(args, nproc=nproc)
         assert_ok(res)
         with open(path, newline="") as f:
             predictions[source.suffix] = list(csv.reader(f))[1:]

@@ -1,5 +1,5 @@
-"""The text recipe's variants, each built from recipes/text.py (its Config, load_data, resolved,
-make_loaders, the model, make_optimizer, make_scheduler, train_one_epoch and evaluate): a
+"""The text recipe's variants, each built from recipes/text.py (its Config, settle(), the model,
+make_optimizer, make_scheduler, train_one_epoch and evaluate): a
 repetition counts real tokens (not padding), the same in every variant for whole epochs."""
 
 import dataclasses
@@ -51,9 +51,7 @@ def bench_text(args, accelerator):
     text = load_recipe("text")
     device = accelerator.device
     cfg = recipe_config(text, args)
-    data = text.load_data(cfg, accelerator)
-    cfg = text.resolved(cfg, data)  # max_batch_tokens, as main() settles it
-    train_loader, test_loader = text.make_loaders(cfg, data, accelerator)
+    cfg, data, train_loader, test_loader = text.settle(cfg, accelerator)  # as main() settles it
     train_set, lengths = data.train_set, data.train_set.lengths
     epoch_steps = len(train_loader)
     steps = args.steps or epoch_steps
