@@ -38,7 +38,7 @@ TOKENIZERS = ("bytes", "bpe")
 PATCH = 8  # transformer on bytes: bytes per position
 PAD = 0  # the padding token
 # Batches are padded to a multiple of this many tokens: a transformer's patches come out whole
-# (alone or in a batch), and the ONNX graph's length axis is PAD_MULTIPLE x blocks.
+# (alone or in a batch), and the ONNX graph's length axis is PAD_MULTIPLE x blocks (export).
 PAD_MULTIPLE = 16
 
 
@@ -88,14 +88,6 @@ def build_model(settings, num_classes, encoder=None):
     patch = PATCH if settings["tokenizer"] == "bytes" else 1
     positions = -(-settings["max_length"] // PAD_MULTIPLE) * PAD_MULTIPLE // patch
     return Transformer(vocab, num_classes, width, depth, dropout, positions, patch)
-
-
-def length_axis(max_length):
-    """The ONNX graph's length axis: any multiple of PAD_MULTIPLE, up to max_length's (0: any)."""
-    import torch.export
-
-    limit = -(-max_length // PAD_MULTIPLE) if max_length else None
-    return PAD_MULTIPLE * torch.export.Dim("blocks", min=1, max=limit)
 
 
 def lengths_of(tokens):

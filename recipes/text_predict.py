@@ -9,7 +9,8 @@ input and data (recipes/text.py, which trains, imports nothing of this file; giv
 
 Every setting is the recipe's Config. The weights file records the model's settings, its
 classes and its tokenizer, so predict and export need no other flag. A copy of the recipe copies
-this file too and points the imports marked ADAPT at the copy's files.
+this file too and points the import marked ADAPT at the copy: the model and the data come with
+it.
 """
 
 import glob
@@ -39,9 +40,15 @@ from common.text_data import (
     not_utf8,
     read_bytes,
 )
-from text import NAME, Config, read_trained  # ADAPT: your recipe
-from text_data import list_documents  # ADAPT: your data
-from text_model import PAD_MULTIPLE, Tokenizer, build_model, length_axis  # ADAPT: your model
+from text import (  # ADAPT: your recipe (its model and data come with it)
+    NAME,
+    PAD_MULTIPLE,
+    Config,
+    Tokenizer,
+    build_model,
+    list_documents,
+    read_trained,
+)
 
 
 def main(cfg):
@@ -119,6 +126,14 @@ def predict(cfg, accelerator):
 
 
 EXAMPLE_LENGTHS = (200, 333, 1000, 57)  # export's check: documents of several lengths
+
+
+def length_axis(max_length):
+    """The ONNX graph's length axis: any multiple of PAD_MULTIPLE (as batches are padded), up to
+    max_length's (0: any). torch.export needs it so: a free length would be specialised by the
+    pooling and the patches."""
+    blocks = torch.export.Dim("blocks", min=1, max=-(-max_length // PAD_MULTIPLE) or None)
+    return PAD_MULTIPLE * blocks
 
 
 def export(cfg, accelerator):

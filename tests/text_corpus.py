@@ -101,17 +101,16 @@ MODEL_LINE = "        return ByteCNN(vocab, num_classes, width, depth, dropout)"
 def copied_text(model=None):
     """recipes/text.py with its serving file copied as README "Make your own recipe" says, under a
     new name my_XXXX, each import marked ADAPT pointed at the copies; with `model` (the source of
-    a class deriving from ByteCNN), text_model.py copied too, its ByteCNN line building that
-    class. Yields (the recipe's path, {file: lines of the original it changed}); deleted on
-    leaving."""
+    a class deriving from ByteCNN), text_model.py copied too (the training file's import of it
+    pointed at the copy), its ByteCNN line building that class. Yields (the recipe's path,
+    {file: lines of the original it changed}); deleted on leaving."""
     name = f"my_{uuid.uuid4().hex[:4]}"
     files = ["text", "text_predict"] + (["text_model"] if model else [])
     originals = {f: (REPO / "recipes" / f"{f}.py").read_text() for f in files}
     texts = dict(originals)
     texts["text_predict"] = texts["text_predict"].replace("from text import", f"from {name} import")
     if model:
-        for f in ("text", "text_predict"):
-            texts[f] = texts[f].replace("from text_model import", f"from {name}_model import")
+        texts["text"] = texts["text"].replace("from text_model import", f"from {name}_model import")
         marker = "class Transformer(nn.Module):"
         assert texts["text_model"].count(MODEL_LINE) == 1
         texts["text_model"] = texts["text_model"].replace(marker, model.strip() + "\n\n\n" + marker)
