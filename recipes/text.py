@@ -212,12 +212,14 @@ def resolved(cfg, data):
     fit a batch stops here."""
     if cfg.global_batch_size:
         return cfg
-    longest = int(data.train_set.sizes().max())
+    longest = int(data.train_set.sizes().max())  # padded as in a batch
     budget = cfg.max_batch_tokens or cfg.batch_size * (cfg.max_length or longest)
     if budget < 2 * longest:
+        i = int(data.train_set.lengths.argmax())
         raise UserError(
-            f"max_batch_tokens {budget:,} does not hold two of the longest training document "
-            f"({longest:,} {data.tokenizer.unit()}, padded): raise it, or cut the documents with "
+            f"max_batch_tokens {budget:,} does not hold two of the longest training document, "
+            f"{data.train_set.names[i]} ({data.train_set.lengths[i]:,} {data.tokenizer.unit()}, "
+            f"{longest:,} padded): raise it to {2 * longest:,}, or cut the documents with "
             f"--max_length"
         )
     return replace(cfg, max_batch_tokens=budget)
