@@ -271,9 +271,11 @@ def test_bpe_subwords_are_kept_in_the_checkpoint_and_the_weights(text_corpus, tm
     assert_ok(predicted)
 
 
-def test_a_pretrained_encoder_by_folder_trains_and_predicts_without_it(text_corpus, tmp_path):
+def test_a_pretrained_encoder_by_folder_trains_predicts_and_exports_without_it(
+    text_corpus, tmp_path
+):
     # A tiny BERT made here, as a hub name would give one: fine-tuned with its own tokenizer,
-    # then predicted from the weights alone (the folder gone: the record rebuilds it).
+    # then predicted and exported from the weights alone (the folder gone: the record rebuilds it).
     texts = [p.read_bytes().decode("latin-1") for p in sorted(text_corpus.rglob("*.txt"))]
     encoder = tiny_encoder(tmp_path / "tiny-bert", texts)
     out = tmp_path / "out"
@@ -294,6 +296,19 @@ def test_a_pretrained_encoder_by_folder_trains_and_predicts_without_it(text_corp
     )
     assert_ok(predicted)
     assert f"wrote {N_TEST} predictions" in predicted.output
+    exported = launch(
+        [
+            SERVING,
+            "--dataset",
+            text_corpus,
+            "--export",
+            "onnx",
+            "--weights",
+            out / "model.safetensors",
+        ],
+        launcher="python",
+    )
+    assert_ok(exported)
     missing = launch(
         [RECIPE, "--dataset", text_corpus, "--output_dir", tmp_path / "x", "--smoke"]
         + ["--model", "pretrained", "--pretrained", tmp_path / "nowhere"],
