@@ -87,6 +87,13 @@ def test_tables_of_every_format_name_their_classes(text, tmp_path):
     train, test, classes, notes = list_documents(config(text, "--dataset", jsonl))
     assert classes == ["0", "1", "2"] and len(train) + len(test) == 60 and len(test) > 0
     assert "held out" in notes[0]
+    binary = tmp_path / "binary"  # bytes that are not UTF-8, kept as they are
+    binary.mkdir()
+    emails = {"text": [b"\xff\xfe caf\xe9", b"plain"], "label": ["spam", "ham"]}
+    for split in ("train", "test"):
+        datasets.Dataset.from_dict(emails).to_parquet(binary / f"{split}.parquet")
+    train, _, classes, _ = list_documents(config(text, "--dataset", binary))
+    assert train.texts == [b"\xff\xfe caf\xe9", b"plain"] and train.labels == [1, 0]
 
 
 def test_a_label_at_evaluation_that_training_never_saw_is_one_line(text, tmp_path):
