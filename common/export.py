@@ -66,7 +66,8 @@ def onnx_metadata(path):
 
 class OnnxModel:
     """An .onnx file run by onnxruntime on the CPU, called as the torch model is: a float
-    [N, C, H, W] tensor in, a logits tensor out on the input's device."""
+    [N, C, H, W] tensor (or int64 token ids [N, L]) in, a logits tensor out on the input's
+    device."""
 
     def __init__(self, path):
         (ort,) = require_packages(f"running {path}", "onnxruntime")
@@ -74,23 +75,28 @@ class OnnxModel:
         self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
     def __call__(self, x):
-        (logits,) = self.session.run([OUTPUT], {INPUT: x.detach().float().cpu().numpy()})
+        x_in = x.detach().cpu()  # float as float32; integer inputs (token ids) as they are
+        x_in = x_in.float() if x_in.is_floating_point() else x_in
+        name = self.session.get_inputs()[0].name  # INPUT, or the input_name it was written with
+        (logits,) = self.session.run([OUTPUT], {name: x_in.numpy()})
         return torch.from_numpy(logits).to(x.device)
 
 
-def write_onnx(model, example, path, *, metadata, dynamic):
+def write_onnx(model, example, path, *, metadata, dynamic, input_name=INPUT):
     """Export `model` (on the CPU, in eval mode) traced on `example` to `path`, one file, with
     `metadata` in its metadata_props. dynamic: {axis: name} of the input and output axes that
-    take any size, such as {0: "batch"}; the others keep the example's size."""
+    take any size, such as {0: "batch"}, or {axis: a torch.export dimension}; the others keep
+    the example's size."""
     onnx, _ = require_packages("export onnx", "onnx", "onnxscript")
     # Batch 2 at least: torch.export takes an axis of size 1 for a constant.
     example = example[:1].expand(max(len(example), 2), *example.shape[1:]).contiguous()
-    axes = {axis: torch.export.Dim(name) for axis, name in dynamic.items()}
+    # A name, or a dimension made already (16 * Dim("blocks"): a length in multiples of 16).
+    axes = {axis: torch.export.Dim(d) if isinstance(d, str) else d for axis, d in dynamic.items()}
     program = torch.onnx.export(
         model.cpu().eval(),
         (example,),
         dynamo=True,
-        input_names=[INPUT],
+        input_names=[input_name],
         output_names=[OUTPUT],
         dynamic_shapes=(axes,),
         verbose=False,
@@ -115,12 +121,15 @@ def check_onnx(model, path, inputs):
     return worst
 
 
-def export_onnx(accelerator, model, *, inputs, weights, metadata, dynamic, what=""):
+def export_onnx(
+    accelerator, model, *, inputs, weights, metadata, dynamic, what="", input_name=INPUT
+):
     """Write the weights file `weights` as an .onnx file of the same name beside it, whose
     metadata_props carry the weights file's metadata and `metadata`. Before it takes its name,
     onnxruntime must give PyTorch's logits on each batch of `inputs` (real data; batches of other
     sizes along the `dynamic` axes check that they take any size, see write_onnx). `what`: a few
-    words on where the inputs come from, for the report line."""
+    words on where the inputs come from, for the report line. input_name: the graph's input
+    (a text model's: "tokens")."""
     if accelerator.num_processes > 1:
         raise UserError(
             "export runs on one process: start it with python, not a multi-process launch"
@@ -129,7 +138,7 @@ def export_onnx(accelerator, model, *, inputs, weights, metadata, dynamic, what=
     tmp = path.with_name(f".{path.stem}.tmp.onnx")
     try:
         metadata = {**weights_metadata(weights), **metadata}
-        write_onnx(model, inputs[0], tmp, metadata=metadata, dynamic=dynamic)
+        write_onnx(model, inputs[0], tmp, metadata=metadata, dynamic=dynamic, input_name=input_name)
         worst = check_onnx(model, tmp, inputs)
         os.replace(tmp, path)
     except OSError as e:

@@ -1,5 +1,6 @@
 """Batches of similar-size samples under a pixel budget, sharded across processes; and the order
-of a global batch that stays the same on any number of processes (GlobalBatchOrder).
+of a global batch that stays the same on any number of processes (GlobalBatchOrder); and global
+batches of similar lengths under a token budget, split among the processes (GlobalBucketSampler).
 
     sizes = [(h, w) for each sample]        # or one int cost per sample
     train_loader = bucket_loader(train_set, sizes, cfg.max_batch_pixels, accelerator, train=True,
@@ -35,6 +36,7 @@ the loop:
 """
 
 import numpy as np
+import torch
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, Sampler
 
@@ -258,6 +260,170 @@ def bucket_loader(
     )  # with non_blocking: the copy to the GPU does not wait for it
     # num_processes=1: the sampler is already this rank's shard; Accelerate must not deal it out
     # again.
+    return prepare_data_loader(
+        loader,
+        accelerator.device,
+        num_processes=1,
+        process_index=0,
+        put_on_device=accelerator.device_placement,
+        non_blocking=accelerator.non_blocking,
+    )
+
+
+class GlobalBucketSampler(Sampler):
+    """Yields lists of dataset indices: one rank's micro-batches of global batches of
+    similar-size samples (documents by length), each micro-batch at most `max_batch_tokens`
+    padded tokens. A global batch is one optimizer step of every process, num_replicas x
+    accumulation micro-batches: it is formed first, from the epoch's samples sorted by size,
+    then split. So, on any number of processes:
+
+    - every sample is in exactly one micro-batch of one rank per epoch: none repeats to fill up
+      a rank, none is left out;
+    - every rank gets the same number of batches, (global batches) x accumulation: no rank waits
+      forever at the end of an epoch;
+    - the micro-batches of a step hold samples of the same sizes, so no rank waits for another
+      that drew the long ones (bucketing each rank's shard on its own would).
+
+    sizes: one int per sample, its length in tokens. A micro-batch of n samples costs n x the
+        longest (every sample padded to it). The micro-batches of a global batch of m samples
+        hold m // S or one more, S = num_replicas x accumulation, in their sorted order (the
+        fuller ones the shorter samples); the global batch is filled while that count times its
+        longest sample fits the budget, and at most max_batch_size per micro-batch.
+    max_batch_tokens: at least twice the longest sample, and max_batch_size (None: no limit)
+        at least 2, so that the epoch's last step can take the samples left over: when fewer
+        than S are left, the last two global batches are formed again from their samples.
+
+    The order is a pure function of (seed, epoch), the same on every rank: the samples are
+    shuffled, sorted by size (ties stay shuffled: round the sizes, e.g. with rounded_lengths, so
+    that batches mix differently every epoch), cut into global batches, and the global batches
+    shuffled. `set_epoch(epoch)` reshuffles; shuffle=False keeps the sorted order. The global
+    batches depend on num_replicas and accumulation: a mid-epoch resume skips this rank's
+    batches done (`accelerator.skip_first_batches`) with the same process count.
+    """
+
+    def __init__(
+        self,
+        sizes,
+        max_batch_tokens,
+        num_replicas=1,
+        rank=0,
+        seed=0,
+        shuffle=True,
+        accumulation=1,
+        max_batch_size=None,
+    ):
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, {num_replicas}), got {rank}")
+        self.sizes, _ = _parse_sizes(sizes)
+        if any(np.ndim(s) for s in sizes[:1]):
+            raise ValueError("sizes must hold one int per sample (its length), not pairs")
+        self.parts = num_replicas * accumulation  # micro-batches in a global batch
+        longest = int(self.sizes.max())
+        if max_batch_tokens < 2 * longest:
+            raise ValueError(
+                f"max_batch_tokens {max_batch_tokens} must hold two of the longest sample "
+                f"({longest})"
+            )
+        if max_batch_size is not None and max_batch_size < 2:
+            raise ValueError(f"max_batch_size must be at least 2, got {max_batch_size}")
+        if len(self.sizes) < self.parts:
+            raise ValueError(
+                f"{len(self.sizes)} samples cannot fill the {self.parts} micro-batches of a step"
+            )
+        self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
+        self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
+        self.shuffle, self.accumulation = shuffle, accumulation
+        self.epoch = 0
+        self._cache = None  # (epoch, this rank's batches)
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter([list(batch) for batch in self._rank_batches()])
+
+    def __len__(self):
+        return len(self._rank_batches())
+
+    def _rank_batches(self):
+        if self._cache is None or self._cache[0] != self.epoch:
+            mine = []
+            for batch in self.global_batches():
+                parts = split_evenly(batch, self.parts)
+                mine += parts[self.rank :: self.num_replicas]  # micro-step s: part s * P + rank
+            self._cache = (self.epoch, mine)
+        return self._cache[1]
+
+    def global_batches(self):
+        """Every global batch of the current epoch, each a list of indices sorted by size."""
+        rng = np.random.default_rng((self.seed, self.epoch))
+        n, parts = len(self.sizes), self.parts
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        order = order[np.argsort(self.sizes[order], kind="stable")].tolist()  # ties stay shuffled
+        sizes = self.sizes[order].tolist()
+        cap = self.max_batch_size or n
+
+        def fits(per_part, last):  # per_part samples in each micro-batch, the longest at `last`
+            return per_part <= cap and per_part * sizes[last] <= self.max_batch_tokens
+
+        batches, start = [], 0
+        while start < n:
+            if fits(-(-(n - start) // parts), n - 1):  # the rest fits one step
+                batches.append(order[start:])
+                break
+            per_part = 1  # fits: twice the longest sample fits the budget
+            while start + (per_part + 1) * parts <= n and fits(
+                per_part + 1, start + (per_part + 1) * parts - 1
+            ):
+                per_part += 1
+            batches.append(order[start : start + per_part * parts])
+            start += per_part * parts
+        if len(batches[-1]) < parts:  # fewer samples left than micro-batches: form the last two
+            rest = batches.pop(-2) + batches.pop(-1)  # again, still sorted
+            cut = len(rest) - parts if len(rest) >= 2 * parts else len(rest)
+            batches += [rest[:cut], rest[cut:]] if cut < len(rest) else [rest]
+        if self.shuffle:
+            batches = [batches[j] for j in rng.permutation(len(batches))]
+        return batches
+
+
+def split_evenly(items, parts):
+    """`items` cut into `parts` runs in their order, of len // parts items or one more (the
+    first ones)."""
+    base, extra = divmod(len(items), parts)
+    bounds = np.cumsum([0] + [base + (j < extra) for j in range(parts)]).tolist()
+    return [items[bounds[j] : bounds[j + 1]] for j in range(parts)]
+
+
+def rounded_lengths(lengths, per_octave=32, multiple=8):
+    """Each length rounded up to one of `per_octave` steps per doubling (at least `multiple`), as
+    an int64 array: 4000 becomes 4032, 100 becomes 104. Lengths within about 3% then tie, so
+    that a sampler that sorts by size groups them differently every epoch, and a batch padded to
+    its longest rounded length wastes at most about 3% on padding."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    octave = np.floor(np.log2(np.maximum(lengths, 1))).astype(np.int64)  # 2**octave <= length
+    step = np.maximum(2 ** np.maximum(octave - int(np.log2(per_octave)), 0), multiple)
+    return -(-lengths // step) * step
+
+
+def sharded_loader(dataset, batch_sampler, accelerator, collate_fn=None, num_workers=0, seed=0):
+    """A DataLoader of a batch sampler that yields this rank's batches already (a
+    GlobalBucketSampler, or a BucketBatchSampler), on the accelerator's device, as bucket_loader
+    makes one: prepared with num_processes=1, so that Accelerate does not deal the batches out
+    again, and still gets set_epoch, skip_first_batches and the end-of-epoch signal for gradient
+    accumulation. Pinned memory on a GPU. Its own generator (seeded by `seed`): starting an
+    epoch draws nothing from the global RNG, so a resumed run draws the same dropout masks as an
+    uninterrupted one (a DataLoader without one takes its workers' seed from the global RNG)."""
+    loader = DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        collate_fn=collate_fn,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,  # not restarted every epoch
+        worker_init_fn=ignore_stop_signals,  # Ctrl-C is the training process's to handle
+        pin_memory=accelerator.device.type == "cuda",
+        generator=torch.Generator().manual_seed(seed),
+    )
     return prepare_data_loader(
         loader,
         accelerator.device,

@@ -660,3 +660,15 @@ def _hf_cache(tmp_path_factory):
     """Keep the tests' datasets cache out of the user's home, and never reach for the network."""
     os.environ["HF_HOME"] = str(tmp_path_factory.mktemp("hf_home"))
     os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"  # closed port: hub access fails at once
+
+
+# ---- The text recipe's documents ----
+
+
+@pytest.fixture(scope="session")
+def text_corpus(tmp_path_factory):
+    """Tiny documents of two classes (text_corpus.py): N_TRAIN in train/<class>/ and N_TEST in
+    test/<class>/, written once a session. Tests read them as they are, or copy them."""
+    from text_corpus import N_TEST, N_TRAIN, write_corpus
+
+    return write_corpus(tmp_path_factory.mktemp("text"), N_TRAIN, N_TEST)

@@ -1,0 +1,319 @@
+"""The text recipe's models and input, which recipes/text.py builds from its Config; a copy with
+its own model changes this file.
+
+ByteCNN: the bar that the issue set (#48): an embedding of each token, two convolutions with a
+max pool between them, and the maximum of each channel over the document's positions.
+
+Transformer: a small pre-norm encoder; on bytes it reads `patch` bytes per position (a strided
+convolution), so that a document of 8,192 bytes is 1,024 positions.
+
+PretrainedEncoder: a Hugging Face encoder by name or folder (AutoModelForSequenceClassification,
+the `transformers` package), fine-tuned, with its own tokenizer.
+
+All ignore padding exactly: the logits of a document are the same alone and in a padded batch
+(token 0 is padding, never a byte or a subword), so bucketed and padded batches, evaluation and
+predict agree. The input: `Tokenizer` turns documents (bytes) into token ids, raw bytes by
+default, or subwords of a BPE vocabulary trained on the training split (the `tokenizers`
+package), or the pretrained encoder's own; the weights file records it.
+"""
+
+import importlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from common.config import UserError, require
+from common.data import looks_like_path
+
+# ADAPT: your model: the Config fields that build it and its input, recorded in the weights file
+# so that predict and export rebuild both without flags.
+MODEL_SETTINGS = ("model", "pretrained", "tokenizer", "vocab_size", "max_length", "width", "depth")
+MODEL_SETTINGS += ("dropout",)
+MODELS = ("cnn", "transformer", "pretrained")
+TOKENIZERS = ("bytes", "bpe")
+PATCH = 8  # transformer on bytes: bytes per position
+PAD = 0  # the padding token
+# Batches are padded to a multiple of this many tokens: a transformer's patches come out whole
+# (alone or in a batch), and the ONNX graph's length axis is PAD_MULTIPLE x blocks (export).
+PAD_MULTIPLE = 16
+
+
+def check_model_settings(cfg):
+    """The one-line errors of the model's settings, as the recipe's Config checks them."""
+    require(cfg.model in MODELS, f"model must be {' or '.join(MODELS)}, got {cfg.model!r}")
+    require(
+        cfg.tokenizer in TOKENIZERS,
+        f"tokenizer must be {' or '.join(TOKENIZERS)}, got {cfg.tokenizer!r}",
+    )
+    require(cfg.width >= 8 and cfg.depth >= 1, "width must be at least 8 and depth at least 1")
+    require(0 <= cfg.dropout < 1, f"dropout must be in [0, 1), got {cfg.dropout}")
+    require(
+        cfg.max_length >= 0, f"max_length must be 0 (whole documents) or more, got {cfg.max_length}"
+    )
+    require(
+        cfg.model != "transformer" or cfg.max_length,
+        "the transformer attends over every pair of positions: set max_length (e.g. 8192)",
+    )
+    require(
+        cfg.model != "transformer" or cfg.width % 32 == 0,
+        f"the transformer's width must be a multiple of 32 (heads of 32), got {cfg.width}",
+    )
+    require(
+        cfg.tokenizer != "bpe" or cfg.vocab_size >= 300,
+        f"vocab_size must be at least 300 for bpe (256 bytes and merges), got {cfg.vocab_size}",
+    )
+    require(
+        (cfg.model == "pretrained") == bool(cfg.pretrained),
+        "model pretrained fine-tunes the encoder that --pretrained names (a hub name or a "
+        "folder): give both, or neither",
+    )
+
+
+def build_model(settings, num_classes, encoder=None):
+    """The model that `settings` (MODEL_SETTINGS) describe, with an output per class. encoder:
+    a pretrained encoder's configuration (JSON, encoder_config()) to build it from, with no
+    download (predict, export); None: model pretrained loads it and its weights by name."""
+    vocab = Tokenizer.vocab_of(settings)
+    width, depth, dropout = settings["width"], settings["depth"], settings["dropout"]
+    if settings["model"] == "cnn":
+        return ByteCNN(vocab, num_classes, width, depth, dropout)
+    if settings["model"] == "pretrained":
+        return PretrainedEncoder(
+            settings["pretrained"], num_classes, settings["max_length"], encoder
+        )
+    patch = PATCH if settings["tokenizer"] == "bytes" else 1
+    positions = -(-settings["max_length"] // PAD_MULTIPLE) * PAD_MULTIPLE // patch
+    return Transformer(vocab, num_classes, width, depth, dropout, positions, patch)
+
+
+def lengths_of(tokens):
+    """The real length of each row of a padded batch of token ids [N, L]."""
+    return (tokens != PAD).sum(1)
+
+
+def within(lengths, size):
+    """[N, size] True at each row's positions below its length."""
+    return torch.arange(size, device=lengths.device) < lengths[:, None]
+
+
+class ByteCNN(nn.Module):
+    """Embedding, `depth` convolutions of `width` channels (kernel 5, ReLU; a max pool of 4 after
+    each but the last), the maximum over positions, and a linear layer. What lies past a
+    document's end is zero after every convolution, as a document alone would have it."""
+
+    def __init__(self, vocab, num_classes, width=64, depth=2, dropout=0.1):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width, padding_idx=PAD)
+        self.convs = nn.ModuleList(nn.Conv1d(width, width, 5, padding=2) for _ in range(depth))
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, tokens):
+        lengths = lengths_of(tokens)
+        h = self.embed(tokens).transpose(1, 2)  # [N, width, L]
+        for i, conv in enumerate(self.convs):
+            h = F.relu(conv(h)) * within(lengths, h.shape[2])[:, None]
+            if i < len(self.convs) - 1:
+                # The zeros past the end change no maximum: the values are >= 0 after ReLU. 2d:
+                # max_pool1d's export to ONNX takes the length for a constant.
+                h = F.max_pool2d(F.pad(h, (0, 3))[:, :, None], (1, 4))[:, :, 0]
+                lengths = -(-lengths // 4)
+        return self.head(self.dropout(h.amax(2)))  # logits
+
+
+class EncoderLayer(nn.Module):
+    """A pre-norm Transformer encoder layer: self-attention over the valid positions (heads of 32
+    dimensions), then a feed-forward block of twice the width, each added to its input."""
+
+    def __init__(self, width, dropout):
+        super().__init__()
+        self.heads = width // 32
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.ff = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, h, valid):
+        n, positions, width = h.shape
+        qkv = self.qkv(self.norm1(h)).view(n, positions, 3, self.heads, width // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [N, heads, positions, 32]
+        p = self.dropout.p if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None], dropout_p=p)
+        h = h + self.dropout(self.out(a.transpose(1, 2).reshape(n, positions, width)))
+        return h + self.dropout(self.ff(self.norm2(h)))
+
+
+class Transformer(nn.Module):
+    """A pre-norm Transformer encoder of `depth` layers over positions of `patch` tokens each (a
+    strided convolution of their embeddings; 1: a position per token), with learned position
+    embeddings, and the mean over the document's positions."""
+
+    def __init__(self, vocab, num_classes, width, depth, dropout, positions, patch):
+        super().__init__()
+        self.patch = patch
+        self.embed = nn.Embedding(vocab, width if patch == 1 else 32, padding_idx=PAD)
+        self.stem = nn.Conv1d(32, width, patch, stride=patch) if patch > 1 else nn.Identity()
+        self.positions = nn.Parameter(torch.randn(positions, width) * 0.02)
+        self.layers = nn.ModuleList(EncoderLayer(width, dropout) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, tokens):
+        lengths = -(-lengths_of(tokens) // self.patch)
+        h = self.embed(tokens)  # whole patches: the length is a multiple of PAD_MULTIPLE
+        if self.patch > 1:
+            h = self.stem(h.transpose(1, 2)).transpose(1, 2)  # [N, positions, width]
+        h = h + self.positions[: h.shape[1]]
+        valid = within(lengths, h.shape[1])
+        for layer in self.layers:
+            h = layer(h, valid)
+        h = self.norm(h) * valid[..., None]
+        return self.head(h.sum(1) / lengths[:, None].clamp(min=1))  # logits
+
+
+class PretrainedEncoder(nn.Module):
+    """A Hugging Face encoder with a classification head of `num_classes` outputs
+    (AutoModelForSequenceClassification), from its name or folder with its pretrained weights,
+    or from `config` (its JSON) alone. It takes the recipe's token ids: its own ids plus 1,
+    0 for padding, which its attention mask leaves out."""
+
+    def __init__(self, name, num_classes, max_length, config=None):
+        super().__init__()
+        transformers = _package("transformers", "model pretrained")
+        transformers.logging.set_verbosity_error()  # not its table of the head's new weights
+        auto = transformers.AutoModelForSequenceClassification
+        if config is None:
+            self.net = from_pretrained(auto, name, "the encoder", num_labels=num_classes)
+        else:
+            settings = transformers.AutoConfig.for_model(**json.loads(config))
+            self.net = auto.from_config(settings)
+        positions = getattr(self.net.config, "max_position_embeddings", None)
+        if positions and max_length > positions or not max_length:
+            raise UserError(
+                f"max_length {max_length} does not fit the encoder {name!r}, which reads "
+                f"{positions} positions: set --max_length {positions} (or less)"
+            )
+
+    def forward(self, tokens):
+        mask = tokens != PAD
+        return self.net(input_ids=(tokens - 1).clamp(min=0), attention_mask=mask.long()).logits
+
+
+def from_pretrained(auto, name, what, **kwargs):
+    """auto.from_pretrained(name): a hub name or a folder; one line if it cannot be loaded."""
+    if looks_like_path(name) and not Path(name).exists():
+        raise UserError(
+            f"pretrained {name} does not exist: give a folder that save_pretrained wrote, or a "
+            f"hub name"
+        )
+    try:
+        return auto.from_pretrained(name, **kwargs)
+    except OSError as e:
+        raise UserError(
+            f"cannot load {what} of {name!r} ({str(e).splitlines()[0]}): give a hub name (with "
+            f"internet) or a folder that save_pretrained wrote"
+        ) from None
+
+
+def encoder_config(model):
+    """A PretrainedEncoder's configuration as JSON, for the weights file's record (build_model
+    rebuilds it from there); None for the recipe's own models."""
+    return model.net.config.to_json_string() if isinstance(model, PretrainedEncoder) else None
+
+
+# ADAPT: your input: documents (bytes) -> token ids, the same in training, predict and export.
+class Tokenizer:
+    """Documents as token ids, cut at max_length tokens (0: whole). bytes: byte b is token b + 1
+    (any encoding, no vocabulary). bpe: a byte-pair vocabulary of vocab_size subwords trained on
+    the training documents (trained()), over their bytes read as latin-1 (a character per byte,
+    so nothing is undecodable). pretrained: the encoder's own tokenizer, over the text read as
+    UTF-8 (bytes that are not: U+FFFD), its ids plus 1. record() keeps what rebuilds it in the
+    weights file (from_record())."""
+
+    def __init__(self, kind, max_length, subwords=None):
+        self.kind, self.max_length, self.subwords = kind, max_length, subwords
+        # As made or read: to_str() of a tokenizer read back need not give the same text.
+        self.json = subwords.to_str() if subwords is not None else None
+
+    @staticmethod
+    def vocab_of(settings):
+        return 257 if settings["tokenizer"] == "bytes" else settings["vocab_size"]
+
+    @classmethod
+    def trained(cls, settings, texts):
+        """The tokenizer that `settings` name; bpe: trained on `texts`."""
+        if settings["model"] == "pretrained":
+            transformers = _package("transformers", "model pretrained")
+            name = settings["pretrained"]
+            tokenizer = from_pretrained(transformers.AutoTokenizer, name, "the tokenizer")
+            return cls("pretrained", settings["max_length"], tokenizer.backend_tokenizer)
+        if settings["tokenizer"] == "bytes":
+            return cls("bytes", settings["max_length"])
+        tokenizers = _package("tokenizers", "tokenizer bpe")
+        bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+        bpe.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()  # words, then merges
+        trainer = tokenizers.trainers.BpeTrainer(
+            vocab_size=settings["vocab_size"],
+            special_tokens=["<pad>"],  # id 0: PAD
+            initial_alphabet=[chr(b) for b in range(256)],  # every byte: nothing unknown
+            show_progress=False,
+        )
+        bpe.train_from_iterator((t.decode("latin-1") for t in texts), trainer=trainer)
+        return cls("bpe", settings["max_length"], bpe)
+
+    def record(self):
+        """What a weights file keeps to rebuild this tokenizer (from_record)."""
+        return {"kind": self.kind, "json": self.json}
+
+    @classmethod
+    def from_record(cls, record, max_length):
+        if record["kind"] == "bytes":
+            return cls("bytes", max_length)
+        tokenizers = _package("tokenizers", f"tokenizer {record['kind']}")
+        tokenizer = cls(record["kind"], max_length, tokenizers.Tokenizer.from_str(record["json"]))
+        tokenizer.json = record["json"]
+        return tokenizer
+
+    def encode(self, texts, whole=False):
+        """Token ids of each document (bytes), cut at max_length unless `whole`: a list of int
+        arrays."""
+        limit = None if whole or not self.max_length else self.max_length
+        if self.kind == "bytes":
+            return [np.frombuffer(t[:limit], np.uint8).astype(np.int16) + 1 for t in texts]
+        if self.kind == "bpe":
+            encoded = self.subwords.encode_batch([t.decode("latin-1") for t in texts])
+            return [np.asarray(e.ids[:limit], np.int32) for e in encoded]
+        if limit:  # the encoder's special tokens ([CLS] ... [SEP]) kept around what is cut
+            self.subwords.enable_truncation(limit)
+        else:
+            self.subwords.no_truncation()
+        self.subwords.no_padding()
+        encoded = self.subwords.encode_batch([t.decode("utf-8", "replace") for t in texts])
+        return [np.asarray(e.ids, np.int32) + 1 for e in encoded]
+
+    def unit(self):
+        return "bytes" if self.kind == "bytes" else "tokens"
+
+
+def _package(name, purpose):
+    """An optional package, imported when used, or one line naming the install."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+        raise UserError(
+            f"{purpose} needs the {name} package: pip install -r requirements-extras.txt"
+        ) from None
+
+
+def describe_model(model, settings):
+    """A few words for the start-up line: the model, its size and its input."""
+    params = sum(p.numel() for p in model.parameters())
+    what = settings["pretrained"] if settings["model"] == "pretrained" else settings["model"]
+    words = "its own tokenizer" if settings["model"] == "pretrained" else settings["tokenizer"]
+    return f"{what} ({params / 1e3:,.0f}k weights) on {words}"
