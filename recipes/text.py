@@ -407,6 +407,7 @@ def main(cfg):
     settings = model_settings(cfg)
     model = build_model(settings, len(data.classes))
     load_weights(model, cfg.weights)  # --weights, if given
+    encoder = encoder_config(model)  # before prepare(): for the weights' record
     lr = cfg.scaled_lr(accelerator.num_processes)
     optimizer = make_optimizer(model, cfg, lr=lr, accelerator=accelerator)
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
@@ -440,7 +441,7 @@ def main(cfg):
         scheduler, cfg, progress, batches_per_epoch=len(train_loader), checkpoint=checkpoint
     )
     record = {"model": settings, "classes": data.classes, "tokenizer": data.tokenizer.record()}
-    record["encoder"] = encoder_config(accelerator.unwrap_model(model))  # pretrained: its config
+    record["encoder"] = encoder  # a pretrained encoder's configuration, or None
     stored = record_metadata(RECORD, record, recipe=NAME)  # in every weights file, for predict
 
     # 5. Train, evaluating after every epoch.

@@ -244,7 +244,7 @@ def common_names_in_main(source):
 def test_each_recipe_main_catches_stop_signals_in_one_visible_line():
     from conftest import REPO
 
-    for recipe in ("mnist", "unet"):
+    for recipe in ("mnist", "unet", "text"):
         names = common_names_in_main((REPO / "recipes" / f"{recipe}.py").read_text())
         assert "catch_stop_signals" in names, recipe
 
@@ -289,3 +289,21 @@ def test_a_resume_on_a_gpu_says_that_only_deterministic_mode_is_bit_exact(tmp_pa
     # On a CPU, in deterministic mode, and when it only evaluates, nothing more.
     assert lines["cpu", False, False] == lines["cuda", True, False] == resumed
     assert lines["cuda", False, True] == resumed
+
+
+def test_no_unwrap_takes_ddp_out_of_a_compiled_model():
+    # Accelerate 1.15's unwrap_model() re-points torch.compile's wrapper at the bare model unless
+    # keep_torch_compile=False: a compiled DDP model would train on without DDP, each process on
+    # its own gradients (tests/compile_probe.py shows it for the U-Net). Any call in common/ or
+    # the recipes says keep_torch_compile=False, or unwraps a model before prepare() needs to.
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    calls = []
+    for path in sorted([*root.glob("common/*.py"), *root.glob("recipes/*.py")]):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if "unwrap_model(" in line and not line.lstrip().startswith("#"):
+                calls.append((f"{path.relative_to(root)}:{number}", line.strip()))
+    assert calls, "no unwrap_model() call found: the check reads nothing"
+    bare = [where for where, line in calls if "keep_torch_compile=False" not in line]
+    assert not bare, f"unwrap_model() without keep_torch_compile=False at {bare}"
