@@ -120,15 +120,15 @@ def hand_over(script):
 
 def run_serving(serve, config_class, *, recipe, script):
     """A serving file's entry point (`python recipes/unet_predict.py --weights W "*.jpg"`): run(),
-    with the image glob as the one argument without a --name (the predict setting), into its
+    with the glob of files as the one argument without a --name (the predict setting), into its
     serve(cfg), which predicts, exports or checks the data. A run that would train stops with one
     line naming the recipe."""
 
     def serving(cfg):
         if not (cfg.predict or cfg.export or cfg.check_data):
             raise UserError(
-                f"{Path(script).name} predicts (an image glob), exports (--export onnx) or checks "
-                f"the data (--check_data); train with {recipe}.py"
+                f"{Path(script).name} predicts (a glob of files), exports (--export onnx) or "
+                f"checks the data (--check_data); train with {recipe}.py"
             )
         serve(cfg)
 

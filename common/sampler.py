@@ -43,7 +43,28 @@ from torch.utils.data import DataLoader, Sampler
 from common.signals import ignore_stop_signals
 
 
-class BucketBatchSampler(Sampler):
+class _EpochBatches(Sampler):
+    """A batch sampler whose batches are worked out once an epoch (rank_batches(), for
+    set_epoch()'s epoch) and kept until the epoch changes: len() and iteration read them."""
+
+    epoch, _cache = 0, None  # (epoch, this rank's batches)
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter([list(batch) for batch in self._batches()])
+
+    def __len__(self):
+        return len(self._batches())
+
+    def _batches(self):
+        if self._cache is None or self._cache[0] != self.epoch:
+            self._cache = (self.epoch, self.rank_batches())
+        return self._cache[1]
+
+
+class BucketBatchSampler(_EpochBatches):
     """Yields lists of dataset indices: batches of similar-size samples whose padded cost fits
     `max_batch_pixels`, for one rank of `num_replicas`.
 
@@ -100,22 +121,10 @@ class BucketBatchSampler(Sampler):
         self.max_batch_pixels, self.max_batch_size = max_batch_pixels, max_batch_size
         self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
         self.shuffle, self.drop_last, self.even_batches = shuffle, drop_last, even_batches
-        self.epoch = 0
-        self._cache = None  # (epoch, this rank's batches)
 
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-    def __iter__(self):
-        return iter([list(batch) for batch in self._rank_batches()])
-
-    def __len__(self):
-        return len(self._rank_batches())
-
-    def _rank_batches(self):
-        if self._cache is None or self._cache[0] != self.epoch:
-            self._cache = (self.epoch, self._shard(self.epoch_batches()))
-        return self._cache[1]
+    def rank_batches(self):
+        """This rank's batches of the current epoch."""
+        return self._shard(self.epoch_batches())
 
     def epoch_batches(self):
         """Every batch of the current epoch, for all ranks, before sharding."""
@@ -270,7 +279,7 @@ def bucket_loader(
     )
 
 
-class GlobalBucketSampler(Sampler):
+class GlobalBucketSampler(_EpochBatches):
     """Yields lists of dataset indices: one rank's micro-batches of global batches of
     similar-size samples (documents by length), each micro-batch at most `max_batch_tokens`
     padded tokens. A global batch is one optimizer step of every process, num_replicas x
@@ -333,26 +342,14 @@ class GlobalBucketSampler(Sampler):
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         self.num_replicas, self.rank, self.seed = num_replicas, rank, seed
         self.shuffle, self.accumulation = shuffle, accumulation
-        self.epoch = 0
-        self._cache = None  # (epoch, this rank's batches)
 
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-
-    def __iter__(self):
-        return iter([list(batch) for batch in self._rank_batches()])
-
-    def __len__(self):
-        return len(self._rank_batches())
-
-    def _rank_batches(self):
-        if self._cache is None or self._cache[0] != self.epoch:
-            mine = []
-            for batch in self.global_batches():
-                parts = split_evenly(batch, self.parts)
-                mine += parts[self.rank :: self.num_replicas]  # micro-step s: part s * P + rank
-            self._cache = (self.epoch, mine)
-        return self._cache[1]
+    def rank_batches(self):
+        """This rank's micro-batches of the current epoch: micro-step s of a global batch is its
+        part s * num_replicas + rank."""
+        mine = []
+        for batch in self.global_batches():
+            mine += split_evenly(batch, self.parts)[self.rank :: self.num_replicas]
+        return mine
 
     def global_batches(self):
         """Every global batch of the current epoch, each a list of indices sorted by size."""

@@ -29,7 +29,7 @@ from common.config import UserError
 from common.data import DataError
 from common.export import OnnxModel, export_onnx
 from common.outputs import stop_together, write_csv
-from common.runtime import run
+from common.runtime import run_serving
 from common.text_data import (
     TokenSet,
     check_splits,
@@ -51,8 +51,8 @@ from text import (  # ADAPT: your recipe (its model and data come with it)
 )
 
 
-def main(cfg):
-    """--predict, --export or --check_data, then close."""
+def serve(cfg):
+    """--predict, --export or --check_data, on the processes of the accelerate config."""
     accelerator = accelerator_for(cfg)
     if cfg.predict:
         predict(cfg, accelerator)
@@ -206,14 +206,5 @@ def check_data(cfg, accelerator, shown=3):
     check_splits(train, test, classes)  # what would stop training, as one line
 
 
-def serving(cfg):
-    if not (cfg.predict or cfg.export or cfg.check_data):
-        raise UserError(
-            f"{Path(__file__).name} predicts (a glob of files), exports (--export onnx) or checks "
-            f"the data (--check_data); train with {NAME}.py"
-        )
-    main(cfg)
-
-
 if __name__ == "__main__":  # text_predict.py --weights W "mail/*.txt"
-    run(serving, Config, positional="predict")
+    run_serving(serve, Config, recipe=NAME, script=__file__)

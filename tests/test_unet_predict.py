@@ -370,6 +370,6 @@ def test_the_serving_file_runs_on_its_own_as_the_recipe_runs_it(
         gc.unfreeze()  # run() froze what this process had made, as a process's end does
     assert stopped.value.code == 2
     assert capsys.readouterr().err == (
-        "error: unet_predict.py predicts (an image glob), exports (--export onnx) or checks the "
+        "error: unet_predict.py predicts (a glob of files), exports (--export onnx) or checks the "
         "data (--check_data); train with unet.py\n"
     )
