@@ -760,7 +760,7 @@ def main(cfg):
     # 3. Model, optimizer and schedule.
     settings = {k: getattr(cfg, k) for k in MODEL_SETTINGS}
     model = build_model(settings, cfg)
-    named = type(model).__name__ + (f" ({cfg.encoder} encoder)" if cfg.encoder else "")  # unwrapped
+    named = type(model).__name__  # as built: after prepare(), DDP may wrap it
     load_weights(model, cfg.weights)  # --weights, if given
     model, norm = sync_batchnorm(model, accelerator, cfg.sync_bn)
     optimizer = make_optimizer(model, cfg.scaled_lr(accelerator.num_processes), cfg, accelerator)

@@ -64,10 +64,10 @@ def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
         )
         serving = load_recipe(f"{copy.stem}_predict")
         argv = ["--predict", str(digits / "*.png"), "--weights", str(weights)]
-        serving.serve(parse_config(serving.Config, [*argv, "--output_dir", str(tmp_path)]))
+        serving.serve(parse_config(serving.Config, argv))
     assert read_metrics(tmp_path / "one")[0]["eval_samples"] == N_TEST
     assert set(load_file(weights)) == {"fc.weight", "fc.bias"}
-    with open(tmp_path / "predictions.csv", newline="") as f:
+    with open(weights.parent / "predictions.csv", newline="") as f:  # beside the weights
         rows = list(csv.reader(f))[1:]
     assert [row[0] for row in rows] == [str(digits / f"digit_{i}.png") for i in range(5)]
     assert_ok(exported)

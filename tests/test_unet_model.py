@@ -246,7 +246,7 @@ def test_a_pretrained_encoder_trains_and_predict_rebuilds_it(unet, shapes, tmp_p
         env=ONE_THREAD,
     )
     assert_ok(res)
-    assert "; RGB images; ResNetUNet (resnet18 encoder); " in res.output, res
+    assert "; RGB images; ResNetUNet; " in res.output, res
     record = read_trained(out / "model.safetensors")
     assert record["model"]["encoder"] == "resnet18"
     # The run started from the file's encoder (one smoke step moves it, but not far).
