@@ -27,8 +27,9 @@ RECIPE = "recipes/mnist.py"
 
 
 def split_file(folder, samples):
-    """The cache file in `folder` of the split with this many samples."""
-    for path in folder.iterdir():
+    """The cache file in `folder` of the split with this many samples (other caches there, such
+    as the U-Net's mask scans, are not safetensors files)."""
+    for path in folder.glob("*.safetensors"):
         with safe_open(path, "pt") as f:
             if f.get_slice("1").get_shape() == [samples]:
                 return path

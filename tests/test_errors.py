@@ -3,6 +3,7 @@
 import gc
 import hashlib
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -117,13 +118,15 @@ def test_bad_data_is_named_with_its_fix(case, tiny_mnist, bad_datasets):
 
 @pytest.mark.slow
 def test_a_resume_that_stops_on_bad_input_is_one_line_and_the_checkpoints_survive(
-    mnist_checkpoint, tiny_mnist, bad_datasets
+    mnist_checkpoint, tiny_mnist, bad_datasets, tmp_path
 ):
     # The last of the checks before training (load_checkpoint): the model, the optimizer, the
     # data and the output folder are made by then. A resume path that is not there:
-    # test_resume.py's test_bad_resume_choices_say_what_to_do.
+    # test_resume.py's test_bad_resume_choices_say_what_to_do. On a copy of the shared run, which
+    # other tests read as it was written.
     args, message = case_args("mid-epoch resume", tiny_mnist, bad_datasets)
     args += ["--resume", "latest"]
+    mnist_checkpoint = shutil.copytree(mnist_checkpoint, tmp_path / "run")
     before = snapshot(mnist_checkpoint / "checkpoints")
     metrics = (mnist_checkpoint / "metrics.jsonl").read_text()
     start = time.monotonic()
