@@ -257,25 +257,8 @@ def bucket_loader(
         max_batch_size=max_batch_size,
         even_batches=train,
     )
-    pin_memory = accelerator.device.type == "cuda" if pin_memory is None else pin_memory
-    loader = DataLoader(
-        dataset,
-        batch_sampler=sampler,
-        collate_fn=collate_fn,
-        num_workers=num_workers,
-        persistent_workers=num_workers > 0,  # not restarted every epoch
-        worker_init_fn=ignore_stop_signals,  # Ctrl-C is the training process's to handle
-        pin_memory=pin_memory,
-    )  # with non_blocking: the copy to the GPU does not wait for it
-    # num_processes=1: the sampler is already this rank's shard; Accelerate must not deal it out
-    # again.
-    return prepare_data_loader(
-        loader,
-        accelerator.device,
-        num_processes=1,
-        process_index=0,
-        put_on_device=accelerator.device_placement,
-        non_blocking=accelerator.non_blocking,
+    return sharded_loader(
+        dataset, sampler, accelerator, collate_fn, num_workers, seed=seed, pin_memory=pin_memory
     )
 
 
@@ -403,14 +386,17 @@ def rounded_lengths(lengths, per_octave=32, multiple=8):
     return -(-lengths // step) * step
 
 
-def sharded_loader(dataset, batch_sampler, accelerator, collate_fn=None, num_workers=0, seed=0):
+def sharded_loader(
+    dataset, batch_sampler, accelerator, collate_fn=None, num_workers=0, seed=0, pin_memory=None
+):
     """A DataLoader of a batch sampler that yields this rank's batches already (a
-    GlobalBucketSampler, or a BucketBatchSampler), on the accelerator's device, as bucket_loader
-    makes one: prepared with num_processes=1, so that Accelerate does not deal the batches out
-    again, and still gets set_epoch, skip_first_batches and the end-of-epoch signal for gradient
-    accumulation. Pinned memory on a GPU. Its own generator (seeded by `seed`): starting an
-    epoch draws nothing from the global RNG, so a resumed run draws the same dropout masks as an
-    uninterrupted one (a DataLoader without one takes its workers' seed from the global RNG)."""
+    GlobalBucketSampler, or bucket_loader's BucketBatchSampler), on the accelerator's device:
+    prepared with num_processes=1, so that Accelerate does not deal the batches out again, and
+    still gets set_epoch, skip_first_batches and the end-of-epoch signal for gradient
+    accumulation. Pinned memory on a GPU (pin_memory None; False for batches already there). Its
+    own generator (seeded by `seed`): starting an epoch draws nothing from the global RNG, so a
+    resumed run draws the same dropout masks as an uninterrupted one (a DataLoader without one
+    takes its workers' seed from the global RNG)."""
     loader = DataLoader(
         dataset,
         batch_sampler=batch_sampler,
@@ -418,9 +404,9 @@ def sharded_loader(dataset, batch_sampler, accelerator, collate_fn=None, num_wor
         num_workers=num_workers,
         persistent_workers=num_workers > 0,  # not restarted every epoch
         worker_init_fn=ignore_stop_signals,  # Ctrl-C is the training process's to handle
-        pin_memory=accelerator.device.type == "cuda",
+        pin_memory=accelerator.device.type == "cuda" if pin_memory is None else pin_memory,
         generator=torch.Generator().manual_seed(seed),
-    )
+    )  # with non_blocking: the copy to the GPU does not wait for it
     return prepare_data_loader(
         loader,
         accelerator.device,
