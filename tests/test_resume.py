@@ -54,14 +54,18 @@ def test_stop_and_resume_gives_bit_identical_weights(tiny_mnist, mnist_checkpoin
     # mnist_checkpoint ran 13 steps straight (8 an epoch), with a checkpoint at step 10.
     straight = mnist_checkpoint
     split = stopped_at(straight, 10, tmp_path / "split")  # mid-epoch 2
+    # With the straight run's metrics.jsonl, as a run that went on past step 10 (to 13) and is
+    # resumed from its step-10 checkpoint: the lines after it go, to be written again, once.
+    shutil.copy(straight / "metrics.jsonl", split / "metrics.jsonl")
     res = train(tiny_mnist, split, "--max_steps", 13, "--resume", "latest")
     assert "resumed from" in res.output and "(epoch 2, step 10)" in res.output
     assert_identical(weights(straight), weights(split))
     # The resumed epoch's train_loss covers all its batches, those before the stop too.
     (whole,) = [r for r in read_metrics(straight) if r["step"] == 13 and r["epoch"] == 2]
-    (resumed,) = [r for r in read_metrics(split) if r["step"] == 13]
+    first, resumed = read_metrics(split)
     assert resumed["train_loss"] == pytest.approx(whole["train_loss"], rel=1e-12, abs=0)
-    assert [r["step"] for r in read_metrics(split)] == [13]
+    assert (first["epoch"], resumed["epoch"], resumed["step"]) == (1, 2, 13)
+    assert first == read_metrics(straight)[0]  # epoch 1's line kept as it was
 
 
 @pytest.mark.slow

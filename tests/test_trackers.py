@@ -4,13 +4,18 @@ The TensorBoard scalars of a 2-process MNIST run are read back in test_ema_and_e
 early-stopping run), the U-Net's panels in test_unet_training.py."""
 
 import gc
+import json
 import os
+import re
 import shutil
 import signal
 import sys
 
 import pytest
 from conftest import assert_ok, launch, read_metrics, start, wait_for
+
+from common.config import UserError
+from common.metrics import drop_lines_after
 
 RECIPE = "recipes/mnist.py"
 # 256 train samples, batch 32: 8 optimizer steps an epoch.
@@ -41,6 +46,35 @@ def kill_when(args, done, log):
     assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
 
 
+def test_a_resumed_run_drops_the_lines_it_writes_again_and_keeps_the_rest(tmp_path):
+    # In-process: which lines go (the wiring, a launch resuming with the lines of later steps in
+    # the file: test_resume.py's bit-exact resume; a partial epoch's line launched: below, slow).
+    path = tmp_path / "metrics.jsonl"
+    lines = [
+        {"epoch": 1, "step": 8},
+        {"epoch": None, "step": 8},  # an eval_only run of the epoch-1 weights
+        {"epoch": 2, "step": 13},  # a partial epoch, max_steps stopped it at the checkpoint
+        {"epoch": None, "step": 13},
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"epoch": 3, "st')
+    drop_lines_after(path, step=13, epoch=2)  # resumes in epoch 2, at step 13
+    assert [(r["epoch"], r["step"]) for r in read_metrics(tmp_path)] == [
+        (1, 8),
+        (None, 8),
+        (None, 13),
+    ]
+    drop_lines_after(path, step=10, epoch=2)  # a checkpoint before them: the later lines go
+    assert [(r["epoch"], r["step"]) for r in read_metrics(tmp_path)] == [(1, 8), (None, 8)]
+    drop_lines_after(path, step=8, epoch=2)  # an epoch's end: its lines stay
+    assert [(r["epoch"], r["step"]) for r in read_metrics(tmp_path)] == [(1, 8), (None, 8)]
+    path.write_text("not json\n")
+    with pytest.raises(UserError, match=re.escape(f"{path} line 1 is not JSON: fix or remove it")):
+        drop_lines_after(path, step=8, epoch=2)
+    drop_lines_after(path, step=0, epoch=1)  # a run that starts afresh: every line goes
+    assert not path.exists()
+
+
+@pytest.mark.slow
 def test_a_partial_epochs_metrics_line_goes_when_the_run_resumes(
     tiny_mnist, mnist_checkpoint, tmp_path
 ):
