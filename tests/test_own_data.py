@@ -232,16 +232,20 @@ def test_a_void_class_of_class_dict_is_named_in_the_notes_and_suggestions_paste_
 
 
 def test_check_data_prints_the_classes_and_notes_and_draws_them_without_training(
-    unet, shapes, tmp_path
+    unet, shapes, tmp_path, capsys
 ):
+    # The serving file's check_data() in the test process, as `--check_data` runs it in the
+    # recipe's place (launched: test_check_data_is_launched_in_the_recipes_place, slow).
     root = pet_layout(shapes, tmp_path / "pet")
     with pytest.raises(DataError) as error:
         list_pairs(unet.Config(dataset=str(root)))
     out = tmp_path / "check"
     args = [*flags_of(error.value), "--check_data", "--num_workers", 0, "--output_dir", out]
-    res = launch([RECIPE, *args], launcher="python", env=ONE_THREAD)
-    assert_ok(res)
-    lines = res.output.splitlines()
+    load_recipe("unet_predict").check_data(
+        parse_config(unet.Config, [str(a) for a in args]), build_accelerator()
+    )
+    lines = capsys.readouterr().out.splitlines()
+    res = "\n".join(lines)
     table = lines[lines.index(next(x for x in lines if x.startswith("class "))) :][:4]
     assert [row.split()[:2] for row in table[1:]] == [["0", "1"], ["1", "2"], ["2", "3"]], table
     shares = [float(row.split()[2].rstrip("%")) for row in table[1:]]
@@ -279,6 +283,22 @@ def test_check_data_prints_the_classes_and_notes_and_draws_them_without_training
     )
     assert data.names == ["pet", "background"] and data.background == 1 and not data.notes
     assert unet.dice_classes(data.num_classes, data.background) == [0]
+
+
+@pytest.mark.slow
+def test_check_data_is_launched_in_the_recipes_place(unet, shapes, tmp_path):
+    # `python recipes/unet.py --check_data` hands over to the serving file: the data check's
+    # table and picture, nothing trained.
+    root = pet_layout(shapes, tmp_path / "pet")
+    with pytest.raises(DataError) as error:
+        list_pairs(unet.Config(dataset=str(root)))
+    out = tmp_path / "check"
+    args = [*flags_of(error.value), "--check_data", "--num_workers", 0, "--output_dir", out]
+    res = launch([RECIPE, *args], launcher="python", env=ONE_THREAD)
+    assert_ok(res)
+    assert "unet data check: RGB images;" in res.output, res
+    assert "training pixels  training masks" in res.output, res
+    assert sorted(p.name for p in out.iterdir()) == ["data_check.png"]  # nothing trained
 
 
 def test_check_data_stops_with_the_errors_of_training(unet, shapes, tmp_path):
