@@ -16,7 +16,7 @@ from conftest import start, wait_for
 
 import scripts.sweep as sweep
 
-EPOCHS = 4
+EPOCHS = 3
 
 
 def sweep_command(data, out, *more, trials=3, epochs=EPOCHS):
