@@ -24,7 +24,7 @@ from recipe_module import load_recipe
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SAMPLE = REPO / "data" / "mnist_sample"
-N_TRAIN, N_TEST = 256, 1001  # 1001: not a multiple of 2 processes x any batch size used here
+N_TRAIN, N_TEST = 256, 201  # odd: never a multiple of 2 processes x any batch size used here
 
 
 def free_port():
@@ -390,7 +390,7 @@ def decode_id(images):
 
 @pytest.fixture(scope="session")
 def tiny_mnist(tmp_path_factory):
-    """Real digits from the shipped sample: 256 train and 1001 test, ids encoded in two pixels."""
+    """Real digits from the shipped sample: 256 train and 201 test, ids encoded in two pixels."""
     import datasets
 
     src = datasets.load_dataset(str(SAMPLE))["train"]
@@ -435,7 +435,7 @@ def mnist_checkpoint(mnist_run):
     return mnist_run[0]
 
 
-# The shared 2-process run's settings: its evaluation batches of 64 leave the 1,001 test samples
+# The shared 2-process run's settings: its evaluation batches of 64 leave the 201 test samples
 # to a padded last batch on 2 processes; 2 DataLoader workers each; the moving average.
 TWO_PROCESS_RUN = [*MNIST_RUN, "--eval_batch_size", 64, "--scale_lr", "--num_workers", 2]
 TWO_PROCESS_RUN += ["--ema_decay", 0.9, "--max_steps", 7]

@@ -43,7 +43,7 @@ def test_single_process_writes_the_output_contract(mnist_run):
 def test_two_processes_under_torchrun_count_every_test_sample_and_exit_cleanly_with_workers(
     mnist_two_processes,
 ):
-    # 1001 test samples over 2 processes x batch 64: the last batch is padded with duplicates,
+    # 201 test samples over 2 processes x batch 64: the last batch is padded with duplicates,
     # and every one of them must be dropped from the count. With 2 persistent DataLoader workers
     # per process, both processes must still exit cleanly (assert_ok, in the fixture: no abort at
     # shutdown). torchrun, as accelerate launch, runs real DDP.
