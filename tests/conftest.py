@@ -3,6 +3,7 @@ recipes exactly as users do (python, accelerate launch, torchrun) in a subproces
 
 import contextlib
 import difflib
+import gc
 import json
 import os
 import re
@@ -258,6 +259,19 @@ def assert_ok(res):
 
 def read_metrics(out_dir):
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_here(recipe, argv):
+    """The recipe's main() through run() in this process, as `python recipes/NAME.py ARGV` calls
+    it, for what a launch adds nothing to: its exit status (its one line is on stderr)."""
+    from common.runtime import run
+
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            run(recipe.main, recipe.Config, [str(a) for a in argv])
+    finally:
+        gc.unfreeze()  # run() froze what this process had made, as a recipe's process ends
+    return stopped.value.code
 
 
 def error_lines(res):

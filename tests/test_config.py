@@ -1,14 +1,13 @@
 """The config contract: defaults <- --config YAML <- --field value, strictly checked."""
 
 import dataclasses
-import gc
 import re
 import socket
 import sys
 from dataclasses import dataclass
 
 import pytest
-from conftest import launch
+from conftest import launch, run_here
 from recipe_module import load_recipe
 
 from common.config import ConfigError, ShowHelp, parse_config
@@ -309,14 +308,7 @@ def one_error_line(res):
 def test_a_bad_setting_and_missing_data_are_one_line_and_load_no_compiler(mnist, tmp_path, capsys):
     # What the two tests above reach the user as. A bad setting stops in run(), before main()
     # and anything it imports: here, in this process, as `python recipes/mnist.py` calls it.
-    from common.runtime import run
-
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            run(mnist.main, mnist.Config, ["--output_dir", str(tmp_path), "--batch_size", "0"])
-    finally:
-        gc.unfreeze()  # run() froze what this process had made, as a recipe's process ends
-    assert stopped.value.code == 2
+    assert run_here(mnist, ["--output_dir", tmp_path, "--batch_size", 0]) == 2
     assert capsys.readouterr().err == "error: batch_size must be at least 1, got 0\n"
     # Missing data, launched: a run that stops before its optimizer exists has no use for
     # torch's compiler, and importing it cost every such run over a second.

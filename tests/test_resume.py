@@ -1,6 +1,5 @@
 """Checkpoints and resume: exact continuation, atomic writes, restarts and interrupts."""
 
-import gc
 import os
 import re
 import shutil
@@ -21,6 +20,7 @@ from conftest import (
     free_port,
     launch,
     read_metrics,
+    run_here,
     start,
     stopped_at,
     wait_for,
@@ -219,21 +219,14 @@ def test_a_checkpoint_that_cannot_load_is_one_line_and_deletes_nothing(
     ckpt = run / "checkpoints" / "step-00000013"
     model_file = ckpt / "model.safetensors"
     model_file.write_bytes(model_file.read_bytes()[:1000])  # truncated
-    # In this process, through run() as `python recipes/mnist.py` calls it: a launch adds only its
-    # start (launched in the full tier: test_loading_a_checkpoint_never_runs_code, whose checkpoint
+    # In this process, as `python recipes/mnist.py` runs it: a launch adds only its start
+    # (launched in the full tier: test_loading_a_checkpoint_never_runs_code, whose checkpoint
     # cannot load either, and test_errors.py's resume stopped by bad input).
-    from common.runtime import run as run_recipe
-
-    mnist = load_recipe("mnist")
-    args = [tiny_mnist, "--output_dir", run, *COMMON, "--resume", "latest"]
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            run_recipe(mnist.main, mnist.Config, [str(a) for a in ["--dataset", *args]])
-    finally:
-        gc.unfreeze()  # run() froze what this process had made, as a recipe's process ends
+    args = ["--dataset", tiny_mnist, "--output_dir", run, *COMMON, "--resume", "latest"]
+    code = run_here(load_recipe("mnist"), args)
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error")]
-    assert stopped.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith(f"error: cannot load checkpoint {ckpt}"), err
     assert model_file.stat().st_size == 1000 and (ckpt / "optimizer.bin").is_file()
 

@@ -5,7 +5,6 @@ weights. What a launch adds nothing to is checked in this process: bad data stop
 
 import ast
 import csv
-import gc
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from conftest import (
     assert_ok,
     launch,
     read_metrics,
+    run_here,
     stopped_at,
 )
 from recipe_module import load_recipe
@@ -136,20 +136,12 @@ def test_an_empty_document_stops_the_run_with_one_line(text, text_corpus, tmp_pa
         (bad / "train" / path.parent.name / path.name).write_bytes(path.read_bytes())
     (bad / "train" / "spam" / "empty.txt").write_bytes(b"")
     out = tmp_path / "out"
-    # In this process, through run() as `python recipes/text.py` calls it: every process reads
-    # every document, so each stops alike, and a launch adds only its start (launched:
-    # test_text_variants.py's data check, which names the same document with the same line).
-    from common.runtime import run
-
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            run(
-                text.main, text.Config, ["--dataset", str(bad), "--output_dir", str(out), "--smoke"]
-            )
-    finally:
-        gc.unfreeze()  # run() froze what this process had made, as a recipe's process ends
+    # In this process, as `python recipes/text.py` runs it: every process reads every document,
+    # so each stops alike, and a launch adds only its start (launched: test_text_variants.py's
+    # data check, which names the same document with the same line).
+    code = run_here(text, ["--dataset", bad, "--output_dir", out, "--smoke"])
     err = capsys.readouterr().err
-    assert stopped.value.code == 2 and "Traceback" not in err, err
+    assert code == 2 and "Traceback" not in err, err
     assert [line for line in err.splitlines() if line.startswith("error")] == [
         f"error: {bad / 'train' / 'spam' / 'empty.txt'} is empty: remove it, or give it its text"
     ]

@@ -3,7 +3,6 @@ metrics.jsonl go on from the checkpoint, without the points and lines that the r
 The TensorBoard scalars of a 2-process MNIST run are read back in test_ema_and_early_stop.py (its
 early-stopping run), the U-Net's panels in test_unet_training.py."""
 
-import gc
 import json
 import os
 import re
@@ -12,7 +11,7 @@ import signal
 import sys
 
 import pytest
-from conftest import assert_ok, launch, read_metrics, start, wait_for
+from conftest import assert_ok, launch, read_metrics, run_here, start, wait_for
 
 from common.config import UserError
 from common.metrics import drop_lines_after
@@ -143,17 +142,10 @@ def test_a_missing_tracker_package_is_one_line(tiny_mnist, tmp_path, monkeypatch
     # recipe runs as `python recipes/mnist.py` runs it (run(), in this process).
     from recipe_module import load_recipe
 
-    from common.runtime import run
-
     monkeypatch.setitem(sys.modules, "wandb", None)  # what a missing package looks like
     mnist = load_recipe("mnist")
     argv = ["--dataset", str(tiny_mnist), "--output_dir", str(tmp_path / "run")]
-    try:
-        with pytest.raises(SystemExit) as stopped:
-            run(mnist.main, mnist.Config, [*argv, "--log_with", "wandb"])
-    finally:
-        gc.unfreeze()  # run() froze what this process had made, as a recipe's process ends
-    assert stopped.value.code == 2 and not (tmp_path / "run").exists()
+    assert run_here(mnist, [*argv, "--log_with", "wandb"]) == 2 and not (tmp_path / "run").exists()
     assert capsys.readouterr().err.splitlines() == [
         "error: log_with wandb needs the wandb package: pip install -r requirements-extras.txt"
     ]
