@@ -93,11 +93,16 @@ format: $(BIN)/.installed  ## ruff: format the tree and apply its safe lint fixe
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# The tests run on TEST_WORKERS processes side by side (pytest-xdist), a test file on one: most of
+# a test's time is one launch on one core. `make test TEST_WORKERS=0` runs them in this process.
+TEST_WORKERS ?= 2
+TEST_ARGS = -q -n $(TEST_WORKERS) --dist loadfile
+
 test: $(BIN)/.installed  ## the fast tier: every contract the README claims, real launches (its time: docs/tests.md)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest $(TEST_ARGS) -m "not slow" tests
 
 test-full: $(BIN)/.installed  ## every test, the fast tier and the slow one: what CI runs (its time: docs/tests.md)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest $(TEST_ARGS) tests
 
 stress: $(BIN)/.installed  ## run the 2-process smoke 20 times and count clean exits
 	$(BIN)/python scripts/stress_exit.py --runs 20

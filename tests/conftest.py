@@ -3,6 +3,7 @@ recipes exactly as users do (python, accelerate launch, torchrun) in a subproces
 
 import contextlib
 import difflib
+import fcntl
 import gc
 import json
 import os
@@ -34,9 +35,43 @@ def free_port():
         return s.getsockname()[1]
 
 
+def once(tmp_path_factory, name, make):
+    """make(folder) run once a session into a folder of its own, however many pytest-xdist workers
+    ask for it (`make test` runs 2): the first to ask makes it while the others wait, and each
+    gets the same folder and what make() returned (JSON: a Result comes back as one). Shared data
+    and runs are read, never changed: a test copies what it changes."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' own base folders lie side by side in it
+    folder, saved = root / "once" / name, root / "once" / f"{name}.json"
+    folder.parent.mkdir(exist_ok=True)
+    with open(root / "once" / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not saved.exists():  # a worker whose make() failed left none: the next one tries
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            made = make(folder)
+            saved.write_text(json.dumps(made, default=_as_json))
+    return json.loads(saved.read_text(), object_hook=_from_json)
+
+
+def _as_json(value):
+    if isinstance(value, Result):
+        return {"returncode": value.returncode, "output": value.output}
+    if isinstance(value, Path):
+        return {"path": str(value)}
+    raise TypeError(value)
+
+
+def _from_json(value):
+    if value.keys() == {"returncode", "output"}:
+        return Result(value["returncode"], value["output"])
+    return Path(value["path"]) if value.keys() == {"path"} else value
+
+
 class Result:
-    def __init__(self, proc, out):
-        self.returncode, self.output = proc.returncode, out
+    def __init__(self, returncode, output):
+        self.returncode, self.output = returncode, output
 
     def __repr__(self):
         return f"exit {self.returncode}\n{self.output[-4000:]}"
@@ -98,7 +133,7 @@ def launch(
                 worker.kill()
         out, _ = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, cmd))}\n{out[-4000:]}")
-    return Result(proc, out)
+    return Result(proc.returncode, out)
 
 
 def start(cmd, env=None, stdout=subprocess.PIPE):
@@ -405,15 +440,18 @@ def decode_id(images):
 @pytest.fixture(scope="session")
 def tiny_mnist(tmp_path_factory):
     """Real digits from the shipped sample: 256 train and 201 test, ids encoded in two pixels."""
-    import datasets
 
-    src = datasets.load_dataset(str(SAMPLE))["train"]
-    images = np.stack([np.asarray(im) for im in src["image"][: N_TRAIN + N_TEST]])
-    labels = np.asarray(src["label"][: N_TRAIN + N_TEST])
-    root = tmp_path_factory.mktemp("tiny_mnist")
-    _write_split(root / "train.parquet", encode_id(images[:N_TRAIN].copy()), labels[:N_TRAIN])
-    _write_split(root / "test.parquet", encode_id(images[N_TRAIN:].copy()), labels[N_TRAIN:])
-    return root
+    def make(root):
+        import datasets
+
+        src = datasets.load_dataset(str(SAMPLE))["train"]
+        images = np.stack([np.asarray(im) for im in src["image"][: N_TRAIN + N_TEST]])
+        labels = np.asarray(src["label"][: N_TRAIN + N_TEST])
+        _write_split(root / "train.parquet", encode_id(images[:N_TRAIN].copy()), labels[:N_TRAIN])
+        _write_split(root / "test.parquet", encode_id(images[N_TRAIN:].copy()), labels[N_TRAIN:])
+        return root
+
+    return once(tmp_path_factory, "tiny_mnist", make)
 
 
 # The shared MNIST runs' settings: 2 epochs of 256 samples in batches of 32 (8 steps an epoch on
@@ -428,19 +466,22 @@ def mnist_run(tiny_mnist, tmp_path_factory):
     config.yaml, model.safetensors) and checkpoints at steps 10 (mid-epoch 2: checkpoints every 5
     steps, and at each epoch's end, 2 kept) and 13. Tests read it as it is, resume from a copy of
     a checkpoint (stopped_at) or break a copy of it: (its output folder, its Result)."""
-    out = tmp_path_factory.mktemp("mnist_checkpoint")
-    args = ["--max_steps", 13, "--checkpoint_every_steps", 5, "--keep_checkpoints", 2]
-    res = launch(
-        ["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", out, *MNIST_RUN]
-        + ["--eval_batch_size", 256, *args],
-        launcher="python",
-    )
-    assert_ok(res)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
-        "step-00000010",
-        "step-00000013",
-    ]
-    return out, res
+
+    def make(out):
+        args = ["--max_steps", 13, "--checkpoint_every_steps", 5, "--keep_checkpoints", 2]
+        res = launch(
+            ["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", out, *MNIST_RUN]
+            + ["--eval_batch_size", 256, *args],
+            launcher="python",
+        )
+        assert_ok(res)
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+            "step-00000010",
+            "step-00000013",
+        ]
+        return out, res
+
+    return tuple(once(tmp_path_factory, "mnist_checkpoint", make))
 
 
 @pytest.fixture(scope="session")
@@ -461,15 +502,19 @@ def mnist_two_processes(tiny_mnist, tmp_path_factory):
     at step 7, mid-epoch 2, with checkpoints at step 3 (mid-epoch 1), 4 (epoch 1's end), 6 and 7:
     (its output folder, its Result). test_mnist.py checks its outputs and evaluates its weights on
     1 process; test_resume.py resumes it from step 3."""
-    out = tmp_path_factory.mktemp("mnist_2p")
-    more = ["--checkpoint_every_steps", 3, "--keep_checkpoints", 5]
-    res = launch(
-        ["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", out, *TWO_PROCESS_RUN] + more,
-        nproc=2,
-        launcher="torchrun",
-    )
-    assert_ok(res)
-    return out, res
+
+    def make(out):
+        more = ["--checkpoint_every_steps", 3, "--keep_checkpoints", 5]
+        res = launch(
+            ["recipes/mnist.py", "--dataset", tiny_mnist, "--output_dir", out, *TWO_PROCESS_RUN]
+            + more,
+            nproc=2,
+            launcher="torchrun",
+        )
+        assert_ok(res)
+        return out, res
+
+    return tuple(once(tmp_path_factory, "mnist_2p", make))
 
 
 # ---- The U-Net's data and its one shared run ----
@@ -537,13 +582,15 @@ def with_void(values, i):
 def shapes(tmp_path_factory):
     """The U-Net's data, made once a session: N_IMAGES shapes of SIZE x SIZE with exact masks.
     Tests read it as it is, or change a copy of it."""
-    return make_shapes(tmp_path_factory.mktemp("shapes"), N_IMAGES, SIZE)
+    return once(tmp_path_factory, "shapes", lambda root: make_shapes(root, N_IMAGES, SIZE))
 
 
 @pytest.fixture(scope="session")
 def mixed_shapes(tmp_path_factory):
     """N_MIXED shapes whose heights and widths are each one of MIXED_SIZES: for bucket_by_size."""
-    return make_shapes(tmp_path_factory.mktemp("mixed_shapes"), N_MIXED, MIXED_SIZES)
+    return once(
+        tmp_path_factory, "mixed_shapes", lambda root: make_shapes(root, N_MIXED, MIXED_SIZES)
+    )
 
 
 @pytest.fixture(scope="session")
@@ -560,39 +607,46 @@ def camvid_two_processes(shapes, tmp_path_factory):
     zoom, rotation and colour jitter; 8 steps (4 an epoch) with checkpoints at steps 3 (mid-epoch
     1), 4, 6 and 8. test_own_data.py checks its classes, names and colours, test_unet_training.py
     resumes it from step 3. (root, the recipe and its settings, out, its Result)."""
-    from layouts import camvid_layout, flags_of
-    from recipe_module import load_recipe
 
-    from common.data import DataError
+    def make(folder):
+        from layouts import camvid_layout, flags_of
+        from recipe_module import load_recipe
 
-    root = camvid_layout(shapes, tmp_path_factory.mktemp("camvid") / "camvid")
-    with pytest.raises(DataError) as error:
-        load_recipe("unet").list_pairs(load_recipe("unet").Config(dataset=str(root)))
-    flags = flags_of(error.value)
-    assert flags[flags.index("--ignore_index") + 1] == "Void"  # class_dict.csv's void, by name
-    args = ["recipes/unet.py", *flags, "--lr", LR]
-    args += ["--base_channels", 8, "--batch_size", 8, "--eval_batch_size", 4, "--epochs", 2]
-    args += ["--num_workers", 2, "--cache_images", "false", "--crop_size", 32, "--vflip", 0.5]
-    args += ["--zoom", 0.25, "--rotate", 15, "--jitter", 0.3]
-    out = tmp_path_factory.mktemp("camvid_2p")
-    more = ["--max_steps", 8, "--checkpoint_every_steps", 3, "--keep_checkpoints", 10]
-    res = launch([*args, "--output_dir", out, *more], nproc=2, env=ONE_THREAD)
-    assert_ok(res)
-    return SimpleNamespace(root=root, args=args, out=out, res=res)
+        from common.data import DataError
+
+        root = camvid_layout(shapes, folder / "camvid")
+        with pytest.raises(DataError) as error:
+            load_recipe("unet").list_pairs(load_recipe("unet").Config(dataset=str(root)))
+        flags = flags_of(error.value)
+        assert flags[flags.index("--ignore_index") + 1] == "Void"  # class_dict.csv's, by name
+        args = ["recipes/unet.py", *flags, "--lr", LR]
+        args += ["--base_channels", 8, "--batch_size", 8, "--eval_batch_size", 4, "--epochs", 2]
+        args += ["--num_workers", 2, "--cache_images", "false", "--crop_size", 32]
+        args += ["--vflip", 0.5, "--zoom", 0.25, "--rotate", 15, "--jitter", 0.3]
+        out = folder / "camvid_2p"
+        more = ["--max_steps", 8, "--checkpoint_every_steps", 3, "--keep_checkpoints", 10]
+        res = launch([*args, "--output_dir", out, *more], nproc=2, env=ONE_THREAD)
+        assert_ok(res)
+        return {"root": root, "args": [str(a) for a in args], "out": out, "res": res}
+
+    return SimpleNamespace(**once(tmp_path_factory, "camvid_2p", make))
 
 
 @pytest.fixture(scope="session")
 def trained_unet(shapes, tmp_path_factory):
     """One single-process `python recipes/unet.py` run on `shapes`, 10 epochs: (its output folder,
     its Result). Tests check the run, and evaluate and predict with its weights."""
-    out = tmp_path_factory.mktemp("unet_1p")
-    res = launch(
-        ["recipes/unet.py", "--dataset", shapes, "--output_dir", out, "--epochs", 10, *FAST],
-        launcher="python",
-        env=ONE_THREAD,
-    )
-    assert_ok(res)
-    return out, res
+
+    def make(out):
+        res = launch(
+            ["recipes/unet.py", "--dataset", shapes, "--output_dir", out, "--epochs", 10, *FAST],
+            launcher="python",
+            env=ONE_THREAD,
+        )
+        assert_ok(res)
+        return out, res
+
+    return tuple(once(tmp_path_factory, "unet_1p", make))
 
 
 # ---- Counting launches: most of the suite's time is the fixed cost of each one ----
@@ -645,6 +699,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's main process: it starts the workers, which count the launches
     subprocess.Popen = _CountingPopen  # subprocess.run() and start() go through it too
 
 
@@ -652,6 +708,18 @@ def pytest_configure(config):
 def pytest_runtest_protocol(item, nextitem):
     _launches.current = item.nodeid  # a session fixture's launch counts for its first test
     return (yield)
+
+
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker sends its launches to the main pytest process, which sums them."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["launches"] = json.dumps(_launches.by_test)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for test, counts in json.loads(getattr(node, "workeroutput", {}).get("launches", "{}")).items():
+        _launches.by_test.setdefault(test, []).extend(counts)
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -685,4 +753,4 @@ def text_corpus(tmp_path_factory):
     test/<class>/, written once a session. Tests read them as they are, or copy them."""
     from text_corpus import N_TEST, N_TRAIN, write_corpus
 
-    return write_corpus(tmp_path_factory.mktemp("text"), N_TRAIN, N_TEST)
+    return once(tmp_path_factory, "text", lambda root: write_corpus(root, N_TRAIN, N_TEST))
