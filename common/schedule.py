@@ -7,7 +7,9 @@ exactly is refitted, and one that cannot is refused with one line that names the
 
 - CosineAnnealingLR (the U-Net) is refitted. It has one phase, and its lr is a function of the
   step and the last step alone: the refitted schedule gives, from this step on, exactly the lr of
-  a run planned with the new length, still falling to 0 at its last step.
+  a run planned with the new length, still falling to 0 at its last step. HeldCosine, the lr held
+  for a share of the steps and then the cosine, is refitted the same way (its lr too is a
+  function of the step and the last step alone; the held share is of the new plan).
 - OneCycleLR (MNIST's onecycle) is refused. Its warm-up is the first 30% of the planned steps: on
   a longer plan a run past its peak could be back in the warm-up, its lr rising a second time on
   weights that are trained already. That is a new run, not the rest of this one (torch itself
@@ -52,8 +54,31 @@ def _steps_left(cfg, progress, steps_per_epoch):
     return (epochs - progress.epoch + 1) * steps_per_epoch - done
 
 
+class HeldCosine(CosineAnnealingLR):
+    """The lr held at its base for the first `hold` share of the T_max steps, then a cosine from
+    there to 0 at step T_max: a cosine that starts late. `hold` 0 is CosineAnnealingLR."""
+
+    def __init__(self, optimizer, hold, T_max=1):
+        if not 0 <= hold < 1:
+            raise ValueError(f"hold must be in [0, 1), got {hold}")
+        self.hold = hold  # before super(), which takes the first step
+        super().__init__(optimizer, T_max=T_max)
+
+    def get_lr(self):
+        return [cosine_lr(base, self.last_epoch, self.T_max, self.hold) for base in self.base_lrs]
+
+
+def cosine_lr(base_lr, step, last, hold=0.0):
+    """The lr at `step` of a cosine from base_lr at step hold x last to 0 at step `last`, held at
+    base_lr before it."""
+    start = hold * last
+    if step <= start:
+        return base_lr
+    return base_lr * (1 + math.cos(math.pi * min(1.0, (step - start) / (last - start)))) / 2
+
+
 def fit_cosine(scheduler, cfg, progress, *, steps_per_epoch):
-    """Make a CosineAnnealingLR reach 0 at the last optimizer step of the last epoch.
+    """Make a CosineAnnealingLR or a HeldCosine reach 0 at the last optimizer step of the run.
 
     max_steps does not shorten it: it only stops the run, which a resume continues on the same
     curve. A resume may change epochs, or the process count at an epoch end; the lr then moves
@@ -68,10 +93,9 @@ def fit_cosine(scheduler, cfg, progress, *, steps_per_epoch):
         # The schedule counts the steps it was stepped on, not the fp16 steps the scaler skipped.
         if scheduler.last_epoch + steps_left != scheduler.T_max:
             scheduler.T_max = scheduler.last_epoch + steps_left
+            hold = getattr(scheduler, "hold", 0.0)
             for group, base_lr in zip(scheduler.optimizer.param_groups, scheduler.base_lrs):
-                group["lr"] = (
-                    base_lr * (1 + math.cos(math.pi * scheduler.last_epoch / scheduler.T_max)) / 2
-                )
+                group["lr"] = cosine_lr(base_lr, scheduler.last_epoch, scheduler.T_max, hold)
 
 
 def _kind(state):
@@ -79,6 +103,7 @@ def _kind(state):
     if "total_steps" in state:
         return f"a onecycle schedule of {state['total_steps']} steps"
     kinds = {
+        "hold": "a held cosine schedule",
         "T_max": "a cosine schedule",
         "step_size": "a step schedule",
         "patience": "a plateau schedule",

@@ -51,7 +51,7 @@ from common.metrics import class_scores, confusion_counts, peak_memory_mb, reset
 from common.outputs import open_run
 from common.progress import Progress
 from common.runtime import hand_over, run
-from common.schedule import fit_schedule
+from common.schedule import HeldCosine, fit_schedule
 from common.segmentation_data import (
     IGNORE,
     MODES,
@@ -137,7 +137,7 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     eval_batch_size: int = 0  # per process; 0: a training batch's pixels (predict: batch_size)
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 1e-4  # AdamW weight decay
-    scheduler: str = "cosine"  # cosine: to 0 at the end; constant; plateau: x0.1 after 5 flat evals
+    scheduler: str = "cosine"  # cosine; hold_cosine: 70% at lr, then cosine; constant; plateau
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
     class_weights: str = ""  # cross-entropy weight per class, e.g. 0.2,1,1; auto: from pixel counts
     focal_gamma: float = 0.0  # above 0: focal loss, (1 - p)^gamma x cross-entropy; 2 is usual
@@ -419,7 +419,7 @@ def train_one_epoch(
         if ema is not None:  # the moving average of the weights, once per optimizer step
             ema.update()
         # Stepped here, once per optimizer step: a prepared scheduler steps once per process.
-        if cfg.scheduler == "cosine" and not accelerator.optimizer_step_was_skipped:
+        if "cosine" in cfg.scheduler and not accelerator.optimizer_step_was_skipped:
             scheduler.step()
         if progress.log_due:
             accelerator.log(progress.train_scalars(optimizer), step=progress.step)
@@ -563,8 +563,9 @@ def settle(cfg, accelerator):
     return resolved(cfg, data, accelerator.device), data, trained
 
 
-SCHEDULERS = {  # the cosine's length is set by fit_schedule(), at the start and on a resume
+SCHEDULERS = {  # the cosines' length is set by fit_schedule(), at the start and on a resume
     "cosine": lambda optimizer: CosineAnnealingLR(optimizer, T_max=1),
+    "hold_cosine": lambda optimizer: HeldCosine(optimizer, hold=0.7),
     "plateau": lambda optimizer: ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5),
     "constant": lambda optimizer: ConstantLR(optimizer, factor=1.0, total_iters=0),
 }

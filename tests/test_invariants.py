@@ -192,7 +192,7 @@ def test_one_schedule_policy_refits_a_cosine_and_refuses_a_onecycle_whose_plan_c
     from recipe_module import load_recipe
 
     from common.config import UserError
-    from common.schedule import fit_schedule
+    from common.schedule import HeldCosine, fit_schedule, same_kind
 
     cfg = load_recipe("mnist").Config(epochs=2)
     here = SimpleNamespace(epoch=2, batches_done=0, step=8)  # the end of epoch 1 of 8 steps
@@ -224,6 +224,23 @@ def test_one_schedule_policy_refits_a_cosine_and_refuses_a_onecycle_whose_plan_c
     fit_schedule(cosine, cfg, here, batches_per_epoch=16)  # now 16 steps an epoch: ends at 24
     assert cosine.T_max == 24
     assert optimizer.param_groups[0]["lr"] == pytest.approx((1 + math.cos(math.pi * 8 / 24)) / 2)
+    # The held cosine (the U-Net's hold_cosine): the lr held for a share of the plan, then the
+    # cosine; refitted the same way, its held share of the new plan; never loaded from a cosine.
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    held = HeldCosine(optimizer, hold=0.5)
+    fit_schedule(held, cfg, SimpleNamespace(epoch=1, batches_done=0, step=0), batches_per_epoch=8)
+    lrs = []
+    for _ in range(12):
+        optimizer.step()
+        held.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs[:8] == [1.0] * 8  # steps 1 to 8 of 16: held
+    assert lrs[11] == pytest.approx((1 + math.cos(math.pi * 4 / 8)) / 2)  # step 12: half-way down
+    at_12 = SimpleNamespace(epoch=2, batches_done=4, step=12)
+    fit_schedule(held, cfg.__class__(epochs=4), at_12, batches_per_epoch=8)  # now ends at 32
+    assert held.T_max == 32 and optimizer.param_groups[0]["lr"] == 1.0  # held to step 16 of 32
+    with pytest.raises(UserError, match="has a cosine schedule, this run plans a held cosine"):
+        same_kind(held, cosine.state_dict(), "step-00000008")
 
 
 def common_names_in_main(source):

@@ -208,6 +208,21 @@ def test_the_cosine_schedule_refits_when_a_resume_changes_the_process_count(shap
     assert schedule(last)["_last_lr"][0] == pytest.approx(0, abs=1e-12)
 
 
+@pytest.mark.slow
+def test_hold_cosine_holds_the_lr_then_falls_to_0_at_the_last_step(shapes, tmp_path):
+    # 4 epochs of 8 steps: the lr held through 70% of the 32 steps, then the cosine to 0. An
+    # epoch's line has the lr it began with.
+    args = ["--dataset", shapes, "--output_dir", tmp_path, *FAST, "--base_channels", 4]
+    args += ["--epochs", 4, "--scheduler", "hold_cosine"]
+    assert_ok(launch([RECIPE, *args], launcher="python", env=ONE_THREAD))
+    lrs = [row["lr"] for row in read_metrics(tmp_path)]
+    start = 0.7 * 32  # 22.4: epoch 3 ends 1.6 steps into the cosine's 9.6
+    falling = LR * (1 + math.cos(math.pi * (24 - start) / (32 - start))) / 2
+    assert lrs == pytest.approx([LR, LR, LR, falling])
+    state = tmp_path / "checkpoints" / "step-00000032" / "trainer_state.json"
+    assert json.loads(state.read_text())["scheduler"]["_last_lr"][0] == pytest.approx(0, abs=1e-12)
+
+
 def test_a_resume_with_the_same_plan_leaves_the_cosine_alone_after_skipped_fp16_steps(unet):
     # fp16's gradient scaler skips a few steps, and the recipe does not step the schedule on
     # those: its count then trails the optimizer steps. Resuming with the same epochs must
