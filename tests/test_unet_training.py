@@ -575,7 +575,7 @@ def test_bad_settings_are_rejected(unet):
         (["--encoder", "vgg16"], "encoder must be empty (the classic U-Net) or resnet18, resnet34"),
         (["--encoder", "resnet18", "--in_channels", "1"], "a resnet18 encoder takes RGB"),
         (["--encoder_weights", "x.pth"], "encoder_weights needs an encoder: add --encoder"),
-        (["--scheduler", "step"], "scheduler must be cosine, plateau, constant"),
+        (["--scheduler", "step"], "scheduler must be cosine, hold_cosine, plateau, constant"),
         (["--predict", "x.png"], "predict needs weights"),
         (
             ["--bucket_by_size", "true", "--image_size", "64"],
