@@ -170,3 +170,29 @@ def test_quick_gives_the_three_rows_and_the_full_benchs_time(tiny_mnist, tmp_pat
     assert "the full bench (4 variants, 1 warm-up + 7 repetitions of 4 steps each, 3 start-up " in (
         res.output
     ), res
+
+
+@pytest.mark.slow
+def test_the_unet_bench_builds_the_schedule_the_recipe_names():
+    from bench_tools.unet import make_scheduler
+    from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, ReduceLROnPlateau
+
+    from common.schedule import HeldCosine
+
+    unet = load_recipe("unet")
+    start = SimpleNamespace(epoch=1, batches_done=0, step=0)
+    kinds = {
+        "cosine": CosineAnnealingLR,
+        "hold_cosine": HeldCosine,
+        "constant": ConstantLR,
+        "plateau": ReduceLROnPlateau,
+    }
+    assert set(kinds) == set(unet.SCHEDULERS)
+    for name, kind in kinds.items():
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler = make_scheduler(
+            unet, optimizer, unet.Config(scheduler=name, epochs=2), start, 10
+        )
+        assert type(scheduler) is kind
+        if kind is not ReduceLROnPlateau and kind is not ConstantLR:
+            assert scheduler.T_max == 20  # fitted to 2 epochs of 10 steps

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from accelerate.utils import set_seed
 from PIL import Image
-from torch.optim.lr_scheduler import CosineAnnealingLR, ReduceLROnPlateau
+from torch.optim.lr_scheduler import CosineAnnealingLR
 from torch.utils.data import DataLoader, Dataset
 
 from bench_tools import load_recipe, recipe_config
@@ -52,13 +52,12 @@ class ClassicSegmentation(Dataset):
         )
 
 
-def make_scheduler(optimizer, cfg, progress, steps_per_epoch):
-    """The schedule main() makes (recipes/unet.py has no function for it): cosine to 0 at the
-    run's last optimizer step (fit_cosine), or plateau."""
-    if cfg.scheduler == "plateau":
-        return ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5)
-    scheduler = CosineAnnealingLR(optimizer, T_max=1)
-    fit_cosine(scheduler, cfg, progress, steps_per_epoch=steps_per_epoch)
+def make_scheduler(unet, optimizer, cfg, progress, steps_per_epoch):
+    """The schedule main() makes (recipes/unet.py has no function for it): the one cfg.scheduler
+    names, a cosine (or held cosine) to 0 at the run's last optimizer step (fit_cosine)."""
+    scheduler = unet.SCHEDULERS[cfg.scheduler](optimizer)
+    if isinstance(scheduler, CosineAnnealingLR):
+        fit_cosine(scheduler, cfg, progress, steps_per_epoch=steps_per_epoch)
     return scheduler
 
 
@@ -118,7 +117,7 @@ def bench_unet(args, accelerator):
             model = torch.compile(model)
         progress = Progress(accelerator, cfg, metric="dice")
         scheduler = make_scheduler(
-            optimizer, cfg, progress, math.ceil(len(loader) / cfg.gradient_accumulation_steps)
+            unet, optimizer, cfg, progress, math.ceil(len(loader) / cfg.gradient_accumulation_steps)
         )
 
         def train_epoch(epoch_loader):
