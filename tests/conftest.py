@@ -40,9 +40,7 @@ def once(tmp_path_factory, name, make):
     ask for it (`make test` runs 2): the first to ask makes it while the others wait, and each
     gets the same folder and what make() returned (JSON: a Result comes back as one). Shared data
     and runs are read, never changed: a test copies what it changes."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the workers' own base folders lie side by side in it
+    root = session_root(tmp_path_factory)
     folder, saved = root / "once" / name, root / "once" / f"{name}.json"
     folder.parent.mkdir(exist_ok=True)
     with open(root / "once" / f"{name}.lock", "w") as lock:
@@ -53,6 +51,14 @@ def once(tmp_path_factory, name, make):
             made = make(folder)
             saved.write_text(json.dumps(made, default=_as_json))
     return json.loads(saved.read_text(), object_hook=_from_json)
+
+
+def session_root(tmp_path_factory):
+    """The session's temporary folder, the same for every pytest-xdist worker."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' own base folders lie side by side in it
+    return root
 
 
 def _as_json(value):
@@ -739,8 +745,12 @@ def pytest_terminal_summary(terminalreporter, config):
 
 @pytest.fixture(scope="session", autouse=True)
 def _hf_cache(tmp_path_factory):
-    """Keep the tests' datasets cache out of the user's home, and never reach for the network."""
-    os.environ["HF_HOME"] = str(tmp_path_factory.mktemp("hf_home"))
+    """Keep the tests' datasets cache out of the user's home, and never reach for the network.
+    One cache a session, as a user's machine has one: both workers' runs decode into it and read
+    it (a test may read what a shared run decoded)."""
+    home = session_root(tmp_path_factory) / "hf_home"
+    home.mkdir(exist_ok=True)
+    os.environ["HF_HOME"] = str(home)
     os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"  # closed port: hub access fails at once
 
 
