@@ -137,7 +137,7 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     eval_batch_size: int = 0  # per process; 0: a training batch's pixels (predict: batch_size)
     lr: float = 1e-3  # AdamW learning rate
     weight_decay: float = 1e-4  # AdamW weight decay
-    scheduler: str = "cosine"  # cosine; hold_cosine: 70% at lr, then cosine; constant; plateau
+    scheduler: str = "hold_cosine"  # lr held 70%, then cosine to 0; or cosine, constant, plateau
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
     class_weights: str = ""  # cross-entropy weight per class, e.g. 0.2,1,1; auto: from pixel counts
     focal_gamma: float = 0.0  # above 0: focal loss, (1 - p)^gamma x cross-entropy; 2 is usual

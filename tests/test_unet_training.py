@@ -134,6 +134,8 @@ def test_two_processes_exact_eval_count_lr_schedule_and_tensorboard_panels(shape
             "tensorboard",
             "--log_every",
             2,
+            "--scheduler",
+            "cosine",
         ],
         nproc=2,
     )
@@ -184,6 +186,8 @@ def test_the_cosine_schedule_refits_when_a_resume_changes_the_process_count(shap
         8,
         "--epochs",
         2,
+        "--scheduler",
+        "cosine",
     ]
     per_epoch = math.ceil(N_TRAIN / 8)  # optimizer steps per epoch on 1 process; half as many on 2
     half = per_epoch // 2
