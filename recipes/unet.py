@@ -419,7 +419,7 @@ def train_one_epoch(
         if ema is not None:  # the moving average of the weights, once per optimizer step
             ema.update()
         # Stepped here, once per optimizer step: a prepared scheduler steps once per process.
-        if "cosine" in cfg.scheduler and not accelerator.optimizer_step_was_skipped:
+        if cfg.scheduler in PER_STEP and not accelerator.optimizer_step_was_skipped:
             scheduler.step()
         if progress.log_due:
             accelerator.log(progress.train_scalars(optimizer), step=progress.step)
@@ -569,6 +569,7 @@ SCHEDULERS = {  # the cosines' length is set by fit_schedule(), at the start and
     "plateau": lambda optimizer: ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5),
     "constant": lambda optimizer: ConstantLR(optimizer, factor=1.0, total_iters=0),
 }
+PER_STEP = ("cosine", "hold_cosine")  # stepped every optimizer step; plateau at every evaluation
 
 
 def make_optimizer(model, lr, cfg, accelerator):
