@@ -2,9 +2,12 @@
 sampler per simulated rank in this process; test_text.py trains with it on 2 real processes."""
 
 import itertools
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+from conftest import REPO
 
 from common.sampler import GlobalBucketSampler, rounded_lengths, split_evenly
 
@@ -140,3 +143,39 @@ def test_a_rank_of_fewer_batches_cannot_happen_on_any_count():
         per_rank = ranks(processes, sizes=lengths(n, seed), seed=seed, max_batch_size=4)
         assert len({len(b) for b in per_rank}) == 1
         assert sorted(i for b in per_rank for batch in b for i in batch) == list(range(n))
+
+
+@pytest.mark.slow
+def test_batch_mix_shows_batches_by_length_holding_one_class_where_length_tells_it(tmp_path):
+    # Short ham, long spam: a batch by length holds one class (spread 0.5), a shuffled batch of 8
+    # about the binomial spread (0.18), and pays padding for it.
+    rng = np.random.default_rng(0)
+    for label, (low, high) in {"ham": (100, 200), "spam": (1000, 2000)}.items():
+        (tmp_path / "train" / label).mkdir(parents=True)
+        for i in range(64):
+            (tmp_path / "train" / label / f"{i}.txt").write_bytes(b"x" * rng.integers(low, high))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/batch_mix.py",
+            "--dataset",
+            str(tmp_path),
+            "--batch_size",
+            "8",
+            "--max_length",
+            "4096",
+            "--pools",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    ).stdout
+    assert "128 training documents (ham 0.500, spam 0.500), cut at 4096 bytes" in out
+    rows = {line[:10].strip(): line[10:].split() for line in out.splitlines()[2:]}
+    assert list(rows) == ["recipe", "pool 4", "shuffled"]
+    padding = {name: float(row[0].rstrip("%")) for name, row in rows.items()}
+    spread = {name: float(row[1].rstrip(",")) for name, row in rows.items()}
+    assert spread["recipe"] > 0.45 and spread["shuffled"] < 0.3
+    assert padding["recipe"] < 10 < padding["shuffled"]
