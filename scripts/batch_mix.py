@@ -4,12 +4,14 @@
     python scripts/batch_mix.py --dataset DIR --max_length 2048 --pools 20,100
 
 Reads the lengths in bytes of DIR/train/<class>/* (the text recipe's default input, cut at
-max_length) and forms 3 epochs of batches of batch_size documents four ways:
+max_length) and forms 3 epochs of batches of batch_size documents these ways:
 
-- recipe:   the text recipe's sampler (common.sampler.GlobalBucketSampler, one process,
-            the lengths rounded as the recipe rounds them);
+- recipe:   the text recipe's sampler (common.sampler.GlobalBucketSampler, one process, the
+            lengths rounded as the recipe rounds them: 32 steps per doubling, or --per_octave);
 - pool K:   shuffled, cut into pools of K batches, each pool sorted by length, then cut into
             batches (issue #48's classic loop sorted within pools of 100);
+- by class: each class sorted by length on its own, a batch the same slice of every class (as
+            many batches as the others, so each holds the classes in the data's shares);
 - shuffled: shuffled batches padded to their longest (the classic padded loop).
 
 For each: the padding (share of the padded tokens), and the spread (standard deviation) over
@@ -41,9 +43,10 @@ def read_lengths(folder, max_length):
     return np.array(lengths), np.array(labels), classes
 
 
-def recipe_batches(lengths, batch_size, max_length, seed, epoch):
+def recipe_batches(lengths, batch_size, max_length, seed, epoch, per_octave):
+    sizes = rounded_lengths(lengths, per_octave=per_octave)
     sampler = GlobalBucketSampler(
-        rounded_lengths(lengths), batch_size * max_length, seed=seed, max_batch_size=batch_size
+        sizes, batch_size * int(sizes.max()), seed=seed, max_batch_size=batch_size
     )
     sampler.set_epoch(epoch)
     return sampler.global_batches()
@@ -57,6 +60,17 @@ def pooled_batches(lengths, batch_size, pool, rng):
         chunk = chunk[np.argsort(sizes[chunk], kind="stable")] if pool > 1 else chunk
         batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
     return [batches[j] for j in rng.permutation(len(batches))]
+
+
+def by_class_batches(lengths, labels, batch_size, rng):
+    """Each class shuffled, sorted by length, and cut into as many runs as there are batches;
+    batch i holds run i of every class."""
+    count, sizes, runs = -(-len(lengths) // batch_size), rounded_lengths(lengths), []
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        runs.append(np.array_split(members[np.argsort(sizes[members], kind="stable")], count))
+    batches = [np.concatenate([r[i] for r in runs]) for i in range(count)]
+    return [batches[j] for j in rng.permutation(count)]
 
 
 def measure(epochs, lengths, labels, classes):
@@ -74,6 +88,7 @@ def main():
     p.add_argument("--max_length", type=int, default=8192, help="bytes kept of a document")
     p.add_argument("--batch_size", type=int, default=32)
     p.add_argument("--pools", default="100,20,5", help="pool sizes K, in batches")
+    p.add_argument("--per_octave", type=int, default=32, help="the recipe's rounding of lengths")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -83,15 +98,22 @@ def main():
     rng = np.random.default_rng(args.seed)
     rows = {
         "recipe": [
-            recipe_batches(lengths, args.batch_size, args.max_length, args.seed, epoch)
+            recipe_batches(
+                lengths, args.batch_size, args.max_length, args.seed, epoch, args.per_octave
+            )
             for epoch in range(args.epochs)
         ]
     }
-    for pool in [int(k) for k in args.pools.split(",")] + [1]:
-        name = f"pool {pool}" if pool > 1 else "shuffled"
-        rows[name] = [
+    for pool in [int(k) for k in args.pools.split(",")]:
+        rows[f"pool {pool}"] = [
             pooled_batches(lengths, args.batch_size, pool, rng) for _ in range(args.epochs)
         ]
+    rows["by class"] = [
+        by_class_batches(lengths, labels, args.batch_size, rng) for _ in range(args.epochs)
+    ]
+    rows["shuffled"] = [
+        pooled_batches(lengths, args.batch_size, 1, rng) for _ in range(args.epochs)
+    ]
     print(f"{'batches':10} {'padding':>8}  spread of a batch's share of " + ", ".join(classes))
     for name, epochs in rows.items():
         padding, spread = measure(epochs, lengths, labels, classes)

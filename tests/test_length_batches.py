@@ -148,7 +148,7 @@ def test_a_rank_of_fewer_batches_cannot_happen_on_any_count():
 @pytest.mark.slow
 def test_batch_mix_shows_batches_by_length_holding_one_class_where_length_tells_it(tmp_path):
     # Short ham, long spam: a batch by length holds one class (spread 0.5), a shuffled batch of 8
-    # about the binomial spread (0.18), and pays padding for it.
+    # about the binomial spread (0.18) and one by class 4 of each (0), and both pay padding.
     rng = np.random.default_rng(0)
     for label, (low, high) in {"ham": (100, 200), "spam": (1000, 2000)}.items():
         (tmp_path / "train" / label).mkdir(parents=True)
@@ -174,8 +174,8 @@ def test_batch_mix_shows_batches_by_length_holding_one_class_where_length_tells_
     ).stdout
     assert "128 training documents (ham 0.500, spam 0.500), cut at 4096 bytes" in out
     rows = {line[:10].strip(): line[10:].split() for line in out.splitlines()[2:]}
-    assert list(rows) == ["recipe", "pool 4", "shuffled"]
+    assert list(rows) == ["recipe", "pool 4", "by class", "shuffled"]
     padding = {name: float(row[0].rstrip("%")) for name, row in rows.items()}
     spread = {name: float(row[1].rstrip(",")) for name, row in rows.items()}
-    assert spread["recipe"] > 0.45 and spread["shuffled"] < 0.3
-    assert padding["recipe"] < 10 < padding["shuffled"]
+    assert spread["recipe"] > 0.45 and spread["shuffled"] < 0.3 and spread["by class"] == 0
+    assert padding["recipe"] < 10 < padding["shuffled"] and padding["by class"] > 10
