@@ -32,18 +32,21 @@ from common.sampler import GlobalBucketSampler, rounded_lengths  # noqa: E402
 
 def read_lengths(folder, max_length):
     """(lengths, labels, class names) of folder/train/<class>/*."""
-    classes = sorted(p.name for p in (Path(folder) / "train").iterdir() if p.is_dir())
+    train = Path(folder) / "train"
+    classes = sorted(p.name for p in train.iterdir() if p.is_dir()) if train.is_dir() else []
     if not classes:
         raise SystemExit(f"error: no class folders in {folder}/train: make data/spam writes them")
     lengths, labels = [], []
     for label, name in enumerate(classes):
-        for path in (Path(folder) / "train" / name).iterdir():
+        for path in (train / name).iterdir():
             lengths.append(min(path.stat().st_size, max_length or path.stat().st_size))
             labels.append(label)
     return np.array(lengths), np.array(labels), classes
 
 
-def recipe_batches(lengths, batch_size, max_length, seed, epoch, per_octave):
+def recipe_batches(lengths, batch_size, seed, epoch, per_octave):
+    """One epoch of the recipe's batches (GlobalBucketSampler on one process): at most
+    batch_size documents each, which the token budget never cuts further."""
     sizes = rounded_lengths(lengths, per_octave=per_octave)
     sampler = GlobalBucketSampler(
         sizes, batch_size * int(sizes.max()), seed=seed, max_batch_size=batch_size
@@ -98,9 +101,7 @@ def main():
     rng = np.random.default_rng(args.seed)
     rows = {
         "recipe": [
-            recipe_batches(
-                lengths, args.batch_size, args.max_length, args.seed, epoch, args.per_octave
-            )
+            recipe_batches(lengths, args.batch_size, args.seed, epoch, args.per_octave)
             for epoch in range(args.epochs)
         ]
     }
