@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, assert_ok, launch
 
 from common.sampler import GlobalBucketSampler, rounded_lengths, split_evenly
 
@@ -179,3 +179,29 @@ def test_batch_mix_shows_batches_by_length_holding_one_class_where_length_tells_
     spread = {name: float(row[1].rstrip(",")) for name, row in rows.items()}
     assert spread["recipe"] > 0.45 and spread["shuffled"] < 0.3 and spread["by class"] == 0
     assert padding["recipe"] < 10 < padding["shuffled"] and padding["by class"] > 10
+
+
+@pytest.mark.slow
+def test_train_batches_trains_the_recipe_on_batches_that_hold_every_class(tmp_path):
+    # Short ham, long spam: the recipe's batches hold one length, so one class, and little padding;
+    # by_class's hold 4 of each class, so a batch pads its short ham to its long spam.
+    rng = np.random.default_rng(0)
+    for split, count in {"train": 32, "test": 8}.items():
+        for label, (low, high) in {"ham": (100, 200), "spam": (800, 1000)}.items():
+            (tmp_path / "data" / split / label).mkdir(parents=True)
+            for i in range(count):
+                text = bytes(rng.integers(32, 127, rng.integers(low, high)).astype(np.uint8))
+                (tmp_path / "data" / split / label / f"{i}.txt").write_bytes(text)
+    padding = {}
+    for batches in ("recipe", "by_class"):
+        res = launch(
+            ["scripts/train_batches.py", "--batches", batches, "--dataset", tmp_path / "data"]
+            + ["--output_dir", tmp_path / batches, "--epochs", 1, "--batch_size", 8]
+            + ["--max_length", 1024, "--num_workers", 0],
+            env={"OMP_NUM_THREADS": "1"},
+        )
+        assert_ok(res)
+        assert f"batches: {batches}" in res.output
+        epoch = next(line for line in res.output.splitlines() if line.startswith("epoch 1: train"))
+        padding[batches] = float(epoch.split("padding ")[1].rstrip("%"))
+    assert padding["recipe"] < 10 and padding["by_class"] > 40, padding
