@@ -182,9 +182,10 @@ def test_batch_mix_shows_batches_by_length_holding_one_class_where_length_tells_
 
 
 @pytest.mark.slow
-def test_train_batches_trains_the_recipe_on_batches_that_hold_every_class(tmp_path):
+def test_train_batches_by_class_pads_short_ham_to_long_spam_where_the_recipe_does_not(tmp_path):
     # Short ham, long spam: the recipe's batches hold one length, so one class, and little padding;
-    # by_class's hold 4 of each class, so a batch pads its short ham to its long spam.
+    # by_class's hold 4 of each class (the data's shares), so a batch pads its short ham to its long
+    # spam: the padding tells which batches the script trained on.
     rng = np.random.default_rng(0)
     for split, count in {"train": 32, "test": 8}.items():
         for label, (low, high) in {"ham": (100, 200), "spam": (800, 1000)}.items():
