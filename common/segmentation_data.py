@@ -286,6 +286,52 @@ def where_counts(codes):
     return {int(v): row for v, row in zip(values, counts)}
 
 
+SHAPE_GRID = 15  # a class's shape: its bounding box on a grid of this many cells a side (odd)
+SHAPE_SIDE = 128  # the shapes are read on masks of at most this many pixels a side
+
+
+def box_cell(offset, side):
+    """The cell (of SHAPE_GRID) of a pixel at `offset` in a box `side` pixels long. With an odd
+    number of cells no pixel lies on a border between two, so a pixel and its mirror image in
+    the box lie in cells that mirror each other: a shape alike in a mirror has a grid alike."""
+    return (2 * offset + 1) * SHAPE_GRID // (2 * side)
+
+
+def shape_sums(codes):
+    """{value: the share of each cell [SHAPE_GRID * SHAPE_GRID] of its bounding box that it fills}
+    of a mask's codes [H, W]: each value's shape, whatever its size and place, so that a class's
+    shapes in many masks add up to its mean shape (Scan.shapes, mirror_shapes). Read on every
+    step-th pixel of a mask over SHAPE_SIDE pixels a side: a mean shape needs no more."""
+    step = -(-max(codes.shape) // SHAPE_SIDE)
+    codes = codes[::step, ::step]
+    if codes.dtype.kind in "ub" and codes.dtype.itemsize <= 2:  # no sort: as mask_stats
+        values = np.flatnonzero(np.bincount(codes.ravel()))
+        inverse = np.zeros(values[-1] + 1, np.int64)
+        inverse[values] = np.arange(len(values))
+        inverse = inverse[codes]
+    else:
+        values, inverse = np.unique(codes, return_inverse=True)
+        inverse = inverse.reshape(codes.shape)
+    cells, lines = np.zeros_like(inverse), []
+    for axis, side in enumerate(codes.shape):
+        place = np.arange(side).reshape((-1, 1) if axis == 0 else (1, -1))
+        present = np.zeros((len(values), side), bool)
+        present[inverse, place] = True  # the rows (then the columns) that each value is on
+        first, end = present.argmax(1), side - present[:, ::-1].argmax(1)
+        cells = cells * SHAPE_GRID + box_cell(place - first[inverse], (end - first)[inverse])
+        # each value's rows (columns) in each row (column) of its box's cells
+        lines.append(
+            [np.bincount(box_cell(np.arange(n), n), minlength=SHAPE_GRID) for n in end - first]
+        )
+    size = SHAPE_GRID * SHAPE_GRID
+    filled = np.bincount((inverse * size + cells).ravel(), minlength=len(values) * size)
+    return {
+        int(v): filled[k * size : (k + 1) * size]
+        / np.outer(*(n[k] for n in lines)).clip(min=1).ravel()
+        for k, v in enumerate(values)
+    }
+
+
 # The fields of Scan.values[v]: masks holding v, one of them, v's pixels, its interior pixels,
 # its pixels in the first (training) split, the edges between two values that it is on, and the
 # training masks holding v.
@@ -299,7 +345,8 @@ class Scan:
     TRAIN_PIXELS, EDGES, TRAIN_MASKS]}, sizes: per split, (height, width) of each image in order,
     modes: {image mode: an image of that mode}, colour: the masks hold colours, palette: the colours
     (r, g, b, r, g, b, ...) of the masks' palette, if they are palette PNGs (VOC's), else None;
-    where: {mask value: its training pixels in each cell of a grid on the image} (where_counts)."""
+    where: {mask value: its training pixels in each cell of a grid on the image} (where_counts);
+    shapes: {mask value: the sum over the training masks that hold it of its shape (shape_sums)}."""
 
     values: dict
     sizes: list
@@ -307,12 +354,14 @@ class Scan:
     colour: bool
     palette: list | None = None
     where: dict = field(default_factory=dict)
+    shapes: dict = field(default_factory=dict)
 
     def to_json(self):
         return {
             **asdict(self),
             "values": [[v, *stats] for v, stats in self.values.items()],
             "where": [[v, *cells] for v, cells in self.where.items()],
+            "shapes": [[v, *cells] for v, cells in self.shapes.items()],
         }
 
     @classmethod
@@ -320,13 +369,16 @@ class Scan:
         values = {entry[0]: entry[1:] for entry in stored["values"]}
         sizes = [[tuple(size) for size in split] for split in stored["sizes"]]
         where = {entry[0]: entry[1:] for entry in stored["where"]}
-        return cls(values, sizes, stored["modes"], stored["colour"], stored["palette"], where)
+        shapes = {entry[0]: entry[1:] for entry in stored["shapes"]}
+        return cls(
+            values, sizes, stored["modes"], stored["colour"], stored["palette"], where, shapes
+        )
 
 
 def scan_share(accelerator, splits):
     """This process's share of the scan: (values, sizes, modes, mask kinds, palette, where,
-    problems)."""
-    found, sizes, modes, kinds, palette, where, problems = {}, {}, {}, {}, None, {}, []
+    shapes, problems)."""
+    found, sizes, modes, kinds, palette, where, shapes, problems = {}, {}, {}, {}, None, {}, {}, []
     items = [(s, i) for s, split in enumerate(splits) for i in range(len(split))]
     for s, i in items[accelerator.process_index :: accelerator.num_processes]:
         try:
@@ -349,9 +401,16 @@ def scan_share(accelerator, splits):
             stats[INTERIOR] += interior
             stats[TRAIN_PIXELS] += pixels if s == 0 else 0
             stats[EDGES] += edges
-        for v, cells in where_counts(codes).items() if s == 0 else ():
-            where[v] = where[v] + cells if v in where else cells
-    return found, sizes, modes, kinds, palette, where, problems
+        if s == 0:
+            add_up(where, where_counts(codes))
+            add_up(shapes, shape_sums(codes))
+    return found, sizes, modes, kinds, palette, where, shapes, problems
+
+
+def add_up(sums, more):
+    """sums {value: an array} += more {value: an array of the same length}."""
+    for v, cells in more.items():
+        sums[v] = sums[v] + cells if v in sums else cells
 
 
 def scan_pairs(accelerator, splits, *, remember=False):
@@ -361,11 +420,11 @@ def scan_pairs(accelerator, splits, *, remember=False):
     keyed by the splits' identity() (each file's path, size and time of change) and by the code
     that reads the pairs, so that a later run on the same files reads it instead."""
     key = ["mask scan", [split.identity() for split in splits]] if remember else None
-    code = [type(splits[0]).__getitem__, scan_share, mask_stats, where_counts, Scan]
+    code = [type(splits[0]).__getitem__, scan_share, mask_stats, where_counts, shape_sums, Scan]
     stored = read_json(key, code=code) if remember else None
     if all(gather_object([stored is not None])):  # every rank has it, or all scan
         return Scan.from_json(stored)
-    values, all_sizes, modes, kinds, palette, where = {}, {}, {}, {}, None, {}
+    values, all_sizes, modes, kinds, palette, where, shapes = {}, {}, {}, {}, None, {}, {}
     for (
         found_at,
         sizes_at,
@@ -373,12 +432,13 @@ def scan_pairs(accelerator, splits, *, remember=False):
         kinds_at,
         palette_at,
         where_at,
+        shapes_at,
         problems_at,
     ) in gather_object([scan_share(accelerator, splits)]):
         if problems_at:
             raise DataError(problems_at[0])
-        for v, cells in where_at.items():
-            where[v] = where[v] + cells if v in where else cells
+        add_up(where, where_at)
+        add_up(shapes, shapes_at)
         all_sizes.update(sizes_at)
         modes = {**modes_at, **modes}
         kinds = {**kinds_at, **kinds}
@@ -394,7 +454,10 @@ def scan_pairs(accelerator, splits, *, remember=False):
         )
     sizes = [[all_sizes[s, i] for i in range(len(split))] for s, split in enumerate(splits)]
     where = {v: [int(n) for n in cells] for v, cells in sorted(where.items())}
-    scan = Scan(dict(sorted(values.items())), sizes, modes, "colour" in kinds, palette, where)
+    shapes = {v: [round(float(x), 4) for x in cells] for v, cells in sorted(shapes.items())}
+    scan = Scan(
+        dict(sorted(values.items())), sizes, modes, "colour" in kinds, palette, where, shapes
+    )
     if remember and accelerator.is_main_process:
         write_json(key, scan.to_json(), code=code)
     return scan
@@ -538,6 +601,34 @@ def mirror_twins(scan, classes):
         and match[a, b] - itself[a] >= TWIN_MARGIN
     ]
     return sorted(twins)
+
+
+# Shapes a mirror changes (mirror_shapes): a class's mean shape and its mirror image differ by
+# at least this share of its area (digits: 0.17 to 0.50; circles, boxes and triangles at random
+# sizes, cars or lesions, whose mirror images are as common as they are: 0.06 at most), in at
+# least this many training masks (fewer: chance alone differs by as much).
+MIRROR_SHAPE = 0.15
+MIRROR_MASKS = 30
+
+
+def mirror_shapes(scan, classes, background):
+    """[(i, difference)]: the classes whose shapes a horizontal flip changes, as it changes a
+    digit's or a letter's, with how much: a class's shape in its bounding box, averaged over the
+    training masks that hold it (Scan.shapes), against that mean's mirror image; their
+    difference is the share of the mean's area that does not match, 0 when it is its own mirror
+    image. A class's own shapes vary, and a mirror changes each, but only a class whose shapes
+    lean one way keeps the difference in the mean. The classes judged: those (background
+    aside) in MIRROR_MASKS training masks or more. Empty unless half or more of those judged
+    differ by MIRROR_SHAPE or more: a class or two of natural data that lean one way by chance
+    (a road's side in a country that drives on one side) leave the flips on."""
+    judged = [
+        (i, np.array(scan.shapes[v]).reshape(SHAPE_GRID, SHAPE_GRID) / scan.values[v][TRAIN_MASKS])
+        for i, v in enumerate(classes.values)
+        if i != background and v in scan.shapes and scan.values[v][TRAIN_MASKS] >= MIRROR_MASKS
+    ]
+    changed = [(i, float(abs(mean - mean[:, ::-1]).sum() / (2 * mean.sum()))) for i, mean in judged]
+    changed = [(i, round(d, 3)) for i, d in changed if d >= MIRROR_SHAPE]
+    return changed if judged and 2 * len(changed) >= len(judged) else []
 
 
 BAND_SHARE = 0.9  # a void band is on one side of at least this share of the edges between values
@@ -841,6 +932,7 @@ class SegmentationData:
     colours: list | None  # the dataset's colour of each class (class_colours), or None
     table: list  # lines of each class's share of the pixels, for the data check (class_table)
     twins: list  # (i, j): classes that a horizontal flip turns into each other (mirror_twins)
+    mirrored: list  # (i, difference): classes whose shapes a flip changes (mirror_shapes)
     max_batch_pixels: int  # bucket_by_size: the padded pixels of a training batch; else 0
     batch: object  # for describe(): the batch size, or what a bucketed batch holds
     shapes: str  # the images' size, for the start-up line
@@ -989,12 +1081,13 @@ def load_segmentation(
     train_set, val_set = dataset(train_pairs, sizes[0], True), dataset(val_pairs, sizes[1], False)
     pin = device.type == "cuda" and not cached  # non_blocking: the copy to the GPU does not wait
     class_pixels = [scan.values.get(v, NO_STATS)[TRAIN_PIXELS] for v in classes.values]
-    known = (classes, num_classes, input_size, channels, class_pixels, notes)
+    background = background_class(classes, class_pixels, background)
+    known = (classes, num_classes, input_size, channels, class_pixels, notes, background)
     known += (
-        background_class(classes, class_pixels, background),
         class_colours(scan, classes),
         class_table(scan, classes),
         mirror_twins(scan, classes),
+        mirror_shapes(scan, classes, background),
     )
     if not bucket_by_size:  # each loader with its own generator: see seeded_loader
         height, width = input_size

@@ -118,7 +118,9 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     image_size: str = ""  # resize to SIZE x SIZE, or HxW (height x width); empty: the files' size
     scale: float = 0.0  # resize each image by this factor, keeping its aspect ratio; 0: no resize
     crop_size: int = 0  # training only: a random square crop after the resize; 0: no crop
-    hflip: float | None = None  # training: flip probability; auto: 0.5, 0 for left/right classes
+    hflip: float | None = (
+        None  # training: flip probability; auto: 0.5, 0 where a flip changes classes
+    )
     vflip: float = 0.0  # training only: probability of a vertical flip
     zoom: float = 0.0  # training only: resize by a random factor 1/(1 + zoom)..1 + zoom, in place
     rotate: float = 0.0  # training only: rotate by up to this many degrees either way
@@ -528,12 +530,13 @@ def load_data(cfg, accelerator, trained=None):
 def resolved(cfg, data, device):
     """cfg with what the data and the device decide. The data (load_data)
     decides num_classes, in_channels, max_batch_pixels, cache_images and eval_batch_size (0: by
-    pixels), and hflip auto: 0 where classes are mirror twins (left/right), else 0.5; channels_last
+    pixels), and hflip auto: 0 where classes are mirror twins (left/right) or shapes that a mirror
+    changes (digits, letters), else 0.5; channels_last
     auto is on with CUDA, off on CPUs (docs/performance.md)."""
     auto = cfg.channels_last is None
     cfg = replace(
         cfg,
-        hflip=(0.0 if data.twins else 0.5) if cfg.hflip is None else cfg.hflip,
+        hflip=(0.0 if data.twins or data.mirrored else 0.5) if cfg.hflip is None else cfg.hflip,
         num_classes=data.num_classes,
         in_channels=data.in_channels,
         max_batch_pixels=data.max_batch_pixels,
@@ -689,7 +692,8 @@ def start_up_notes(cfg, data, asked):
     dice averages, what the data suggests (a void label, mirror twins), a dominant class. asked:
     the settings as given, whose auto the notes explain."""
     notes = [augmentation_note(cfg), dice_note(cfg, data), *data.notes]
-    notes += [twins_note(data, asked.hflip), imbalance_note(cfg, data)]
+    notes += [twins_note(data, asked.hflip), mirrored_note(data, asked.hflip)]
+    notes += [imbalance_note(cfg, data)]
     return [note for note in notes if note]
 
 
@@ -711,6 +715,30 @@ def twins_note(data, hflip):
     return (
         f"note: classes {shown}{more} are mirror twins, each where the other's mirror image is "
         f"(left and right): {then}"
+    )
+
+
+def mirrored_note(data, hflip):
+    """A start-up line when the classes' shapes are ones that a mirror changes, as digits' and
+    letters' are (the data's mirrored, mirror_shapes); hflip: the setting as given (None: auto,
+    which is then 0)."""
+    if not data.mirrored:
+        return None
+    labels, apart = data.names, [d for _, d in data.mirrored]
+    shown = ", ".join(labels[i] for i, _ in data.mirrored[:8])
+    more = f" ... ({len(data.mirrored)} classes)" if len(data.mirrored) > 8 else ""
+    then = (
+        "hflip is 0 (auto; --hflip 0.5 flips anyway)"
+        if hflip is None
+        else f"--hflip {hflip:g} trains on mirror images that these classes do not come in: "
+        f"leave hflip at auto"
+        if hflip
+        else "hflip 0 keeps them as they come"
+    )
+    return (
+        f"note: classes {shown}{more} have shapes that a mirror changes, as digits and letters "
+        f"do (their mean shape and its mirror image differ by {min(apart):.2f} to "
+        f"{max(apart):.2f} of its area): {then}"
     )
 
 

@@ -1,14 +1,18 @@
 """Classes that a horizontal flip turns into each other (a brain atlas's left and right regions)
 are found in the masks, and hflip auto is then 0: flipping would teach the model that a left
 region is a right one. Classes that a mirror changes but that lie anywhere (digits, shapes)
-and classes in the middle are no twins, and hflip auto stays 0.5."""
+and classes in the middle are no twins, and hflip auto stays 0.5. Classes whose shapes lean one
+way, as digits and letters do, are found too, and hflip auto is then 0: a flip would teach
+shapes that the data never holds; the same shapes in both of their mirror images keep it 0.5."""
 
 import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import torch
 from conftest import REPO, make_shapes
+from PIL import Image
 
 from common.accelerator import build_accelerator
 from common.config import parse_config
@@ -59,3 +63,60 @@ def test_shapes_that_lie_anywhere_are_no_twins_and_hflip_auto_is_half(unet, tmp_
     cfg = unet.resolved(cfg, data, CPU)
     assert data.twins == [] and cfg.hflip == 0.5
     assert unet.twins_note(data, None) is None
+
+
+# Letters drawn in masks as classes 1 to 4: L, F and P lean one way, T is its own mirror image.
+LETTERS = [
+    ["X....", "X....", "X....", "X....", "XXXX."],
+    ["XXXX.", "X....", "XXX..", "X....", "X...."],
+    ["XXX..", "X..X.", "XXX..", "X....", "X...."],
+    ["XXXXX", "..X..", "..X..", "..X..", "..X.."],
+]
+
+
+def make_letters(root, count, mirrored_too, size=48, seed=0):
+    """count pairs in root/imgs and root/masks: noise images, each mask 2 of LETTERS at random
+    places and sizes (class k + 1 where letter k is); mirrored_too: each letter mirrored or not
+    at random."""
+    rng = np.random.default_rng(seed)
+    (root / "imgs").mkdir(parents=True)
+    (root / "masks").mkdir()
+    for n in range(count):
+        mask = np.zeros((size, size), np.uint8)
+        for k in rng.choice(len(LETTERS), 2, replace=False):
+            glyph = np.array([[c == "X" for c in row] for row in LETTERS[k]])
+            glyph = glyph[:, ::-1] if mirrored_too and rng.random() < 0.5 else glyph
+            glyph = glyph.repeat(rng.integers(3, 5), 0).repeat(rng.integers(3, 5), 1)
+            top, left = (
+                rng.integers(0, size - glyph.shape[0]),
+                rng.integers(0, size - glyph.shape[1]),
+            )
+            mask[top : top + glyph.shape[0], left : left + glyph.shape[1]][glyph] = k + 1
+        image = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+        Image.fromarray(image).save(root / "imgs" / f"{n:03d}.png")
+        Image.fromarray(mask).save(root / "masks" / f"{n:03d}.png")
+    return root
+
+
+def test_shapes_that_lean_one_way_are_found_and_hflip_auto_is_0(unet, tmp_path):
+    letters = make_letters(tmp_path / "letters", 72, mirrored_too=False)
+    args = ["--images", letters / "imgs", "--masks", letters / "masks", "--output_dir", tmp_path]
+    cfg, data = loaded(unet, args)
+    cfg = unet.resolved(cfg, data, CPU)
+    assert data.values == [0, 1, 2, 3, 4] and data.twins == []
+    assert [i for i, _ in data.mirrored] == [1, 2, 3]  # L, F and P; T is its own mirror image
+    assert all(difference >= 0.15 for _, difference in data.mirrored)
+    assert cfg.hflip == 0
+    note = unet.mirrored_note(data, None)
+    assert note.startswith("note: classes 1, 2, 3 have shapes that a mirror changes")
+    assert note.endswith("hflip is 0 (auto; --hflip 0.5 flips anyway)")
+    assert "leave hflip at auto" in unet.mirrored_note(data, 0.5)
+    assert unet.resolved(replace(cfg, hflip=0.5), data, CPU).hflip == 0.5
+
+
+def test_shapes_in_both_mirror_images_keep_hflip_auto_at_half(unet, tmp_path):
+    letters = make_letters(tmp_path / "letters", 72, mirrored_too=True)
+    args = ["--images", letters / "imgs", "--masks", letters / "masks", "--output_dir", tmp_path]
+    cfg, data = loaded(unet, args)
+    assert data.mirrored == [] and unet.resolved(cfg, data, CPU).hflip == 0.5
+    assert unet.mirrored_note(data, None) is None
