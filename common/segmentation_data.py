@@ -604,9 +604,9 @@ def mirror_twins(scan, classes):
 
 
 # Shapes a mirror changes (mirror_shapes): a class's mean shape and its mirror image differ by
-# at least this share of its area (digits: 0.17 to 0.50; circles, boxes and triangles at random
-# sizes, cars or lesions, whose mirror images are as common as they are: 0.06 at most), in at
-# least this many training masks (fewer: chance alone differs by as much).
+# at least this share of its area (handwritten digits: 0.17 to 0.51; circles, boxes and
+# triangles, whose mirror images are as common as they are: 0.06 at most), in at least this many
+# training masks (in fewer, chance alone differs by as much).
 MIRROR_SHAPE = 0.15
 MIRROR_MASKS = 30
 
