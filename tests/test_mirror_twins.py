@@ -75,7 +75,7 @@ LETTERS = [
 
 
 def make_letters(root, count, mirrored_too, size=48, seed=0):
-    """count pairs in root/imgs and root/masks: noise images, each mask 2 of LETTERS at random
+    """count pairs in root/imgs and root/masks: noise images, each mask 3 of LETTERS at random
     places and sizes (class k + 1 where letter k is); mirrored_too: each letter mirrored or not
     at random."""
     rng = np.random.default_rng(seed)
@@ -83,7 +83,7 @@ def make_letters(root, count, mirrored_too, size=48, seed=0):
     (root / "masks").mkdir()
     for n in range(count):
         mask = np.zeros((size, size), np.uint8)
-        for k in rng.choice(len(LETTERS), 2, replace=False):
+        for k in rng.choice(len(LETTERS), 3, replace=False):
             glyph = np.array([[c == "X" for c in row] for row in LETTERS[k]])
             glyph = glyph[:, ::-1] if mirrored_too and rng.random() < 0.5 else glyph
             glyph = glyph.repeat(rng.integers(3, 5), 0).repeat(rng.integers(3, 5), 1)
@@ -99,7 +99,7 @@ def make_letters(root, count, mirrored_too, size=48, seed=0):
 
 
 def test_shapes_that_lean_one_way_are_found_and_hflip_auto_is_0(unet, tmp_path):
-    letters = make_letters(tmp_path / "letters", 72, mirrored_too=False)
+    letters = make_letters(tmp_path / "letters", 240, mirrored_too=False)
     args = ["--images", letters / "imgs", "--masks", letters / "masks", "--output_dir", tmp_path]
     cfg, data = loaded(unet, args)
     cfg = unet.resolved(cfg, data, CPU)
@@ -115,7 +115,7 @@ def test_shapes_that_lean_one_way_are_found_and_hflip_auto_is_0(unet, tmp_path):
 
 
 def test_shapes_in_both_mirror_images_keep_hflip_auto_at_half(unet, tmp_path):
-    letters = make_letters(tmp_path / "letters", 72, mirrored_too=True)
+    letters = make_letters(tmp_path / "letters", 240, mirrored_too=True)
     args = ["--images", letters / "imgs", "--masks", letters / "masks", "--output_dir", tmp_path]
     cfg, data = loaded(unet, args)
     assert data.mirrored == [] and unet.resolved(cfg, data, CPU).hflip == 0.5
