@@ -297,6 +297,14 @@ def box_cell(offset, side):
     return (2 * offset + 1) * SHAPE_GRID // (2 * side)
 
 
+def box_lines(sides):
+    """[len(sides), SHAPE_GRID]: of boxes `sides` pixels long, the pixels in each cell (box_cell):
+    those at offsets from the first of cell i (the least d with (2d + 1) * SHAPE_GRID >=
+    2 * side * i) to the first of cell i + 1."""
+    starts = -((SHAPE_GRID - 2 * sides[:, None] * np.arange(SHAPE_GRID + 1)) // (2 * SHAPE_GRID))
+    return np.diff(starts, axis=1)
+
+
 def shape_sums(codes):
     """{value: the share of each cell [SHAPE_GRID * SHAPE_GRID] of its bounding box that it fills}
     of a mask's codes [H, W]: each value's shape, whatever its size and place, so that a class's
@@ -319,17 +327,12 @@ def shape_sums(codes):
         present[inverse, place] = True  # the rows (then the columns) that each value is on
         first, end = present.argmax(1), side - present[:, ::-1].argmax(1)
         cells = cells * SHAPE_GRID + box_cell(place - first[inverse], (end - first)[inverse])
-        # each value's rows (columns) in each row (column) of its box's cells
-        lines.append(
-            [np.bincount(box_cell(np.arange(n), n), minlength=SHAPE_GRID) for n in end - first]
-        )
+        lines.append(box_lines(end - first))
     size = SHAPE_GRID * SHAPE_GRID
     filled = np.bincount((inverse * size + cells).ravel(), minlength=len(values) * size)
-    return {
-        int(v): filled[k * size : (k + 1) * size]
-        / np.outer(*(n[k] for n in lines)).clip(min=1).ravel()
-        for k, v in enumerate(values)
-    }
+    area = lines[0][:, :, None] * lines[1][:, None, :]  # each box's pixels in each cell
+    shares = filled.reshape(-1, size) / area.reshape(-1, size).clip(min=1)
+    return {int(v): share for v, share in zip(values, shares)}
 
 
 # The fields of Scan.values[v]: masks holding v, one of them, v's pixels, its interior pixels,
