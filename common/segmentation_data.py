@@ -287,7 +287,7 @@ def where_counts(codes):
 
 
 SHAPE_GRID = 15  # a class's shape: its bounding box on a grid of this many cells a side (odd)
-SHAPE_SIDE = 128  # the shapes are read on masks of at most this many pixels a side
+SHAPE_SIDE = 128  # the shapes are read on masks of at most this many pixels a side (even)
 
 
 def box_cell(offset, side):
@@ -305,13 +305,22 @@ def box_lines(sides):
     return np.diff(starts, axis=1)
 
 
+def mirror_samples(side):
+    """The pixels read along a side longer than SHAPE_SIDE: SHAPE_SIDE of them, spread evenly,
+    each one's mirror image (side - 1 - i) among them, so that a mask read this way and its
+    mirror image read this way mirror each other; all of a shorter side."""
+    if side <= SHAPE_SIDE:
+        return slice(None)
+    half = (2 * np.arange(SHAPE_SIDE // 2) + 1) * side // (2 * SHAPE_SIDE)
+    return np.concatenate([half, side - 1 - half[::-1]])
+
+
 def shape_sums(codes):
     """{value: the share of each cell [SHAPE_GRID * SHAPE_GRID] of its bounding box that it fills}
     of a mask's codes [H, W]: each value's shape, whatever its size and place, so that a class's
-    shapes in many masks add up to its mean shape (Scan.shapes, mirror_shapes). Read on every
-    step-th pixel of a mask over SHAPE_SIDE pixels a side: a mean shape needs no more."""
-    step = -(-max(codes.shape) // SHAPE_SIDE)
-    codes = codes[::step, ::step]
+    shapes in many masks add up to its mean shape (Scan.shapes, mirror_shapes). Read on
+    SHAPE_SIDE pixels a side of a larger mask (mirror_samples): a mean shape needs no more."""
+    codes = codes[mirror_samples(codes.shape[0])][:, mirror_samples(codes.shape[1])]
     if codes.dtype.kind in "ub" and codes.dtype.itemsize <= 2:  # no sort: as mask_stats
         values = np.flatnonzero(np.bincount(codes.ravel()))
         inverse = np.zeros(values[-1] + 1, np.int64)

@@ -16,6 +16,7 @@ from PIL import Image
 
 from common.accelerator import build_accelerator
 from common.config import parse_config
+from common.segmentation_data import SHAPE_GRID, shape_sums
 
 CPU = torch.device("cpu")
 
@@ -120,3 +121,18 @@ def test_shapes_in_both_mirror_images_keep_hflip_auto_at_half(unet, tmp_path):
     cfg, data = loaded(unet, args)
     assert data.mirrored == [] and unet.resolved(cfg, data, CPU).hflip == 0.5
     assert unet.mirrored_note(data, None) is None
+
+
+def test_a_mirrored_mask_has_each_class_shape_mirrored_and_a_full_box_fills_every_cell():
+    rng = np.random.default_rng(0)
+    for height, width in [(5, 7), (31, 48), (96, 96), (100, 37), (300, 200)]:  # 300: read strided
+        mask = rng.integers(0, 4, (height // 4 + 1, width // 4 + 1)).repeat(4, 0).repeat(4, 1)
+        mask = mask[:height, :width].astype(np.uint8)
+        shapes, mirrored = shape_sums(mask), shape_sums(mask[:, ::-1].copy())
+        assert shapes.keys() == mirrored.keys()
+        for v, cells in shapes.items():
+            grid = cells.reshape(SHAPE_GRID, SHAPE_GRID)
+            assert np.array_equal(mirrored[v].reshape(SHAPE_GRID, SHAPE_GRID), grid[:, ::-1])
+    box = np.zeros((40, 50), np.int32)  # not uint8: the np.unique path
+    box[3:30, 10:43] = 7
+    assert np.array_equal(shape_sums(box)[7], np.ones(SHAPE_GRID * SHAPE_GRID))
