@@ -118,11 +118,9 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     image_size: str = ""  # resize to SIZE x SIZE, or HxW (height x width); empty: the files' size
     scale: float = 0.0  # resize each image by this factor, keeping its aspect ratio; 0: no resize
     crop_size: int = 0  # training only: a random square crop after the resize; 0: no crop
-    hflip: float | None = (
-        None  # training: flip probability; auto: 0.5, 0 where a flip changes classes
-    )
+    hflip: float | None = None  # training: flip probability; auto: 0.5, 0 if a flip changes a class
     vflip: float = 0.0  # training only: probability of a vertical flip
-    zoom: float = 0.0  # training only: resize by a random factor 1/(1 + zoom)..1 + zoom, in place
+    zoom: float = 0.25  # training only: resize by a random factor 1/(1 + zoom)..1 + zoom, in place
     rotate: float = 0.0  # training only: rotate by up to this many degrees either way
     jitter: float = 0.0  # training only: brightness, contrast, saturation x a factor 1 +- jitter
     # Images of different sizes: train and evaluate each at its own size, in similar-size batches.
