@@ -329,13 +329,15 @@ def shape_sums(codes):
     else:
         values, inverse = np.unique(codes, return_inverse=True)
         inverse = inverse.reshape(codes.shape)
-    cells, lines = np.zeros_like(inverse), []
+    cells, lines = 0, []
     for axis, side in enumerate(codes.shape):
         place = np.arange(side).reshape((-1, 1) if axis == 0 else (1, -1))
         present = np.zeros((len(values), side), bool)
         present[inverse, place] = True  # the rows (then the columns) that each value is on
         first, end = present.argmax(1), side - present[:, ::-1].argmax(1)
-        cells = cells * SHAPE_GRID + box_cell(place - first[inverse], (end - first)[inverse])
+        # [values, side]: the cell of each row (column) in each value's box, read for each pixel
+        cell = box_cell(np.arange(side) - first[:, None], (end - first)[:, None])
+        cells = cells * SHAPE_GRID + cell[inverse, place]
         lines.append(box_lines(end - first))
     size = SHAPE_GRID * SHAPE_GRID
     filled = np.bincount((inverse * size + cells).ravel(), minlength=len(values) * size)
