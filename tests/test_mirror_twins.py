@@ -108,6 +108,9 @@ def test_shapes_that_lean_one_way_are_found_and_hflip_auto_is_0(unet, tmp_path):
     assert [i for i, _ in data.mirrored] == [1, 2, 3]  # L, F and P; T is its own mirror image
     assert all(difference >= 0.15 for _, difference in data.mirrored)
     assert cfg.hflip == 0
+    # the start-up says what runs: the default zoom alone, and --zoom 0 turns it off
+    assert unet.augmentation_note(cfg) == "augmentation: zoom 0.25 (each off at 0)"
+    assert unet.augmentation_note(replace(cfg, zoom=0.0)).startswith("augmentation: none")
     note = unet.mirrored_note(data, None)
     assert note.startswith("note: classes 1, 2, 3 have shapes that a mirror changes")
     assert note.endswith("hflip is 0 (auto; --hflip 0.5 flips anyway)")
@@ -119,7 +122,9 @@ def test_shapes_in_both_mirror_images_keep_hflip_auto_at_half(unet, tmp_path):
     letters = make_letters(tmp_path / "letters", 240, mirrored_too=True)
     args = ["--images", letters / "imgs", "--masks", letters / "masks", "--output_dir", tmp_path]
     cfg, data = loaded(unet, args)
-    assert data.mirrored == [] and unet.resolved(cfg, data, CPU).hflip == 0.5
+    settled = unet.resolved(cfg, data, CPU)
+    assert data.mirrored == [] and settled.hflip == 0.5
+    assert unet.augmentation_note(settled) == "augmentation: hflip 0.5, zoom 0.25 (each off at 0)"
     assert unet.mirrored_note(data, None) is None
 
 
