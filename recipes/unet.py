@@ -120,7 +120,7 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     crop_size: int = 0  # training only: a random square crop after the resize; 0: no crop
     hflip: float | None = None  # training: flip probability; auto: 0.5, 0 if a flip changes a class
     vflip: float = 0.0  # training only: probability of a vertical flip
-    zoom: float = 0.25  # training only: resize by a random factor 1/(1 + zoom)..1 + zoom, in place
+    zoom: float | None = None  # training: resize by 1/(1 + zoom)..1 + zoom; auto: 0, 0.25 digits
     rotate: float = 0.0  # training only: rotate by up to this many degrees either way
     jitter: float = 0.0  # training only: brightness, contrast, saturation x a factor 1 +- jitter
     # Images of different sizes: train and evaluate each at its own size, in similar-size batches.
@@ -164,7 +164,9 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
             "hflip and vflip are probabilities",
         )
         require(
-            self.zoom >= 0 and 0 <= self.rotate <= 180 and 0 <= self.jitter < 1,
+            (self.zoom is None or self.zoom >= 0)
+            and 0 <= self.rotate <= 180
+            and 0 <= self.jitter < 1,
             f"zoom must be 0 or more (0.25: 0.8 to 1.25 times), rotate 0 to 180 degrees and "
             f"jitter 0 to below 1; got {self.zoom}, {self.rotate} and {self.jitter}",
         )
@@ -528,13 +530,15 @@ def load_data(cfg, accelerator, trained=None):
 def resolved(cfg, data, device):
     """cfg with what the data and the device decide. The data (load_data)
     decides num_classes, in_channels, max_batch_pixels, cache_images and eval_batch_size (0: by
-    pixels), and hflip auto: 0 where classes are mirror twins (left/right) or shapes that a mirror
-    changes (digits, letters), else 0.5; channels_last
+    pixels), hflip auto: 0 where classes are mirror twins (left/right) or shapes that a mirror
+    changes (digits, letters), else 0.5, and zoom auto: 0.25 for such shapes, which it leaves
+    alike (a zoomed digit is the same digit), in the flips' place, else 0; channels_last
     auto is on with CUDA, off on CPUs (docs/performance.md)."""
     auto = cfg.channels_last is None
     cfg = replace(
         cfg,
         hflip=(0.0 if data.twins or data.mirrored else 0.5) if cfg.hflip is None else cfg.hflip,
+        zoom=(0.25 if data.mirrored else 0.0) if cfg.zoom is None else cfg.zoom,
         num_classes=data.num_classes,
         in_channels=data.in_channels,
         max_batch_pixels=data.max_batch_pixels,
@@ -690,7 +694,7 @@ def start_up_notes(cfg, data, asked):
     dice averages, what the data suggests (a void label, mirror twins), a dominant class. asked:
     the settings as given, whose auto the notes explain."""
     notes = [augmentation_note(cfg), dice_note(cfg, data), *data.notes]
-    notes += [twins_note(data, asked.hflip), mirrored_note(data, asked.hflip)]
+    notes += [twins_note(data, asked.hflip), mirrored_note(data, asked)]
     notes += [imbalance_note(cfg, data)]
     return [note for note in notes if note]
 
@@ -716,13 +720,13 @@ def twins_note(data, hflip):
     )
 
 
-def mirrored_note(data, hflip):
+def mirrored_note(data, asked):
     """A start-up line when the classes' shapes are ones that a mirror changes, as digits' and
-    letters' are (the data's mirrored, mirror_shapes); hflip: the setting as given (None: auto,
-    which is then 0)."""
+    letters' are (the data's mirrored, mirror_shapes). asked: the settings as given, whose hflip
+    and zoom auto (None) are then 0 and 0.25."""
     if not data.mirrored:
         return None
-    labels, apart = data.names, [d for _, d in data.mirrored]
+    labels, apart, hflip = data.names, [d for _, d in data.mirrored], asked.hflip
     shown = ", ".join(labels[i] for i, _ in data.mirrored[:8])
     more = f" ... ({len(data.mirrored)} classes)" if len(data.mirrored) > 8 else ""
     then = (
@@ -733,6 +737,8 @@ def mirrored_note(data, hflip):
         if hflip
         else "hflip 0 keeps them as they come"
     )
+    if asked.zoom is None:
+        then += ", and zoom is 0.25 in the flips' place (auto; --zoom 0 turns it off)"
     return (
         f"note: classes {shown}{more} have shapes that a mirror changes, as digits and letters "
         f"do (their mean shape and its mirror image differ by {min(apart):.2f} to "

@@ -99,33 +99,38 @@ def make_letters(root, count, mirrored_too, size=48, seed=0):
     return root
 
 
-def test_shapes_that_lean_one_way_are_found_and_hflip_auto_is_0(unet, tmp_path):
+def test_shapes_that_lean_one_way_are_found_and_hflip_auto_is_0_and_zoom_auto_on(unet, tmp_path):
     letters = make_letters(tmp_path / "letters", 240, mirrored_too=False)
     args = ["--images", letters / "imgs", "--masks", letters / "masks", "--output_dir", tmp_path]
     cfg, data = loaded(unet, args)
-    cfg = unet.resolved(cfg, data, CPU)
     assert data.values == [0, 1, 2, 3, 4] and data.twins == []
     assert [i for i, _ in data.mirrored] == [1, 2, 3]  # L, F and P; T is its own mirror image
     assert all(difference >= 0.15 for _, difference in data.mirrored)
-    assert cfg.hflip == 0
-    # the start-up says what runs: the default zoom alone, and --zoom 0 turns it off
-    assert unet.augmentation_note(cfg) == "augmentation: zoom 0.25 (each off at 0)"
-    assert unet.augmentation_note(replace(cfg, zoom=0.0)).startswith("augmentation: none")
-    note = unet.mirrored_note(data, None)
+    settled = unet.resolved(cfg, data, CPU)
+    assert (settled.hflip, settled.zoom) == (0, 0.25)
+    assert unet.augmentation_note(settled) == "augmentation: zoom 0.25 (each off at 0)"
+    note = unet.mirrored_note(data, cfg)
     assert note.startswith("note: classes 1, 2, 3 have shapes that a mirror changes")
-    assert note.endswith("hflip is 0 (auto; --hflip 0.5 flips anyway)")
-    assert "leave hflip at auto" in unet.mirrored_note(data, 0.5)
-    assert unet.resolved(replace(cfg, hflip=0.5), data, CPU).hflip == 0.5
+    assert note.endswith(
+        "hflip is 0 (auto; --hflip 0.5 flips anyway), and zoom is 0.25 in the flips' place "
+        "(auto; --zoom 0 turns it off)"
+    )
+    asked = replace(cfg, hflip=0.5, zoom=0.0)
+    assert "leave hflip at auto" in unet.mirrored_note(data, asked)
+    assert "zoom" not in unet.mirrored_note(data, asked)
+    settled = unet.resolved(asked, data, CPU)
+    assert (settled.hflip, settled.zoom) == (0.5, 0)  # as asked: the note says what it does
+    assert unet.augmentation_note(settled) == "augmentation: hflip 0.5 (each off at 0)"
 
 
-def test_shapes_in_both_mirror_images_keep_hflip_auto_at_half(unet, tmp_path):
+def test_shapes_in_both_mirror_images_keep_hflip_auto_at_half_and_zoom_off(unet, tmp_path):
     letters = make_letters(tmp_path / "letters", 240, mirrored_too=True)
     args = ["--images", letters / "imgs", "--masks", letters / "masks", "--output_dir", tmp_path]
     cfg, data = loaded(unet, args)
     settled = unet.resolved(cfg, data, CPU)
-    assert data.mirrored == [] and settled.hflip == 0.5
-    assert unet.augmentation_note(settled) == "augmentation: hflip 0.5, zoom 0.25 (each off at 0)"
-    assert unet.mirrored_note(data, None) is None
+    assert data.mirrored == [] and (settled.hflip, settled.zoom) == (0.5, 0)
+    assert unet.augmentation_note(settled) == "augmentation: hflip 0.5 (each off at 0)"
+    assert unet.mirrored_note(data, cfg) is None
 
 
 def test_a_mirrored_mask_has_each_class_shape_mirrored_and_a_full_box_fills_every_cell():
