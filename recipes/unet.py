@@ -120,7 +120,7 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     crop_size: int = 0  # training only: a random square crop after the resize; 0: no crop
     hflip: float | None = None  # training: flip probability; auto: 0.5, 0 if a flip changes a class
     vflip: float = 0.0  # training only: probability of a vertical flip
-    zoom: float | None = None  # training: resize by 1/(1 + zoom)..1 + zoom; auto: 0, 0.25 digits
+    zoom: float | None = None  # training: resize by 1/(1+zoom)..1+zoom; auto: 0.25 digits, else 0
     rotate: float = 0.0  # training only: rotate by up to this many degrees either way
     jitter: float = 0.0  # training only: brightness, contrast, saturation x a factor 1 +- jitter
     # Images of different sizes: train and evaluate each at its own size, in similar-size batches.

@@ -1,9 +1,10 @@
 """Classes that a horizontal flip turns into each other (a brain atlas's left and right regions)
 are found in the masks, and hflip auto is then 0: flipping would teach the model that a left
-region is a right one. Classes that a mirror changes but that lie anywhere (digits, shapes)
-and classes in the middle are no twins, and hflip auto stays 0.5. Classes whose shapes lean one
-way, as digits and letters do, are found too, and hflip auto is then 0: a flip would teach
-shapes that the data never holds; the same shapes in both of their mirror images keep it 0.5."""
+region is a right one. Classes that lie anywhere (shapes, digits) and classes in the middle are
+no twins. Classes whose shapes lean one way, as digits and letters do, are found too (their
+mean shape against its mirror image), and hflip auto is then 0, since a flip would teach shapes
+that the data never holds, and zoom auto 0.25 in the flips' place; shapes that come in both
+mirror images keep hflip auto at 0.5 and zoom auto at 0."""
 
 import subprocess
 import sys
@@ -135,7 +136,7 @@ def test_shapes_in_both_mirror_images_keep_hflip_auto_at_half_and_zoom_off(unet,
 
 def test_a_mirrored_mask_has_each_class_shape_mirrored_and_a_full_box_fills_every_cell():
     rng = np.random.default_rng(0)
-    for height, width in [(5, 7), (31, 48), (96, 96), (100, 37), (300, 200)]:  # 300: read strided
+    for height, width in [(5, 7), (31, 48), (96, 96), (100, 37), (300, 200)]:  # 300: read on samples
         mask = rng.integers(0, 4, (height // 4 + 1, width // 4 + 1)).repeat(4, 0).repeat(4, 1)
         mask = mask[:height, :width].astype(np.uint8)
         shapes, mirrored = shape_sums(mask), shape_sums(mask[:, ::-1].copy())
