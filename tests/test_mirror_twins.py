@@ -136,7 +136,8 @@ def test_shapes_in_both_mirror_images_keep_hflip_auto_at_half_and_zoom_off(unet,
 
 def test_a_mirrored_mask_has_each_class_shape_mirrored_and_a_full_box_fills_every_cell():
     rng = np.random.default_rng(0)
-    for height, width in [(5, 7), (31, 48), (96, 96), (100, 37), (300, 200)]:  # 300: read on samples
+    # sizes read whole, and one over SHAPE_SIDE (300) read on samples (mirror_samples)
+    for height, width in [(5, 7), (31, 48), (96, 96), (100, 37), (300, 200)]:
         mask = rng.integers(0, 4, (height // 4 + 1, width // 4 + 1)).repeat(4, 0).repeat(4, 1)
         mask = mask[:height, :width].astype(np.uint8)
         shapes, mirrored = shape_sums(mask), shape_sums(mask[:, ::-1].copy())
