@@ -367,13 +367,14 @@ def crop_and_flip(images, masks, rand, *, crop=0, hflip=0.0, vflip=0.0):
     return images[batch, :, rows, cols].permute(0, 3, 1, 2).contiguous(), masks[batch, rows, cols]
 
 
-def zoom_and_rotate(images, masks, rand, *, zoom=0.0, rotate=0.0):
+def zoom_and_rotate(images, masks, rand, *, zoom=0.0, rotate=0.0, fill="reflect"):
     """Each image of a batch and its mask resized by a factor from 1 / (1 + zoom) to 1 + zoom
     (rand[n, 0], uniform on a log scale), rotated about the centre by up to `rotate` degrees
     either way (rand[n, 1]), and moved (rand[n, 2] and rand[n, 3]): zoomed in, a random window
     of it fills the frame; zoomed out, it lies at a random place in the frame. The size stays;
-    the image is resampled bilinearly, the mask by nearest neighbour, and what comes from
-    outside the image is 0 in the image and IGNORE (-1) in the mask. images uint8 [N, C, H, W],
+    the image is resampled bilinearly, the mask by nearest neighbour. What comes from outside
+    the image is IGNORE (-1) in the mask, and in the image its mirror image across the edge
+    (fill "reflect") or 0 (fill "zeros", torchvision's fill). images uint8 [N, C, H, W],
     masks class indices [N, H, W] (IGNORE where ignored); one grid_sample per tensor, on the
     batch's device. zoom and rotate 0: the batch itself."""
     if not (zoom or rotate):
@@ -396,14 +397,18 @@ def zoom_and_rotate(images, masks, rand, *, zoom=0.0, rotate=0.0):
     )
     grid = F.affine_grid(theta, [n, 1, height, width], align_corners=False)
     # The classes + 1, so that the zeros from outside become IGNORE, and ignored pixels stay so;
-    # and ones, which say what lies inside the image. The image's edge pixels are repeated past
-    # it (border), so that no zero darkens them, then what lies outside is 0.
+    # and ones, which say what lies inside the image.
     labels = torch.stack([masks + 1, torch.ones_like(masks)], 1).float()
     labels, inside = F.grid_sample(labels, grid, mode="nearest", align_corners=False).unbind(1)
+    # Past its edges the image is mirrored across them (reflection); for zeros, its edge pixels
+    # are repeated (border), so that no zero darkens them, and then what lies outside is 0.
+    padding = "reflection" if fill == "reflect" else "border"
     moved = F.grid_sample(
-        images.float(), grid, mode="bilinear", padding_mode="border", align_corners=False
+        images.float(), grid, mode="bilinear", padding_mode=padding, align_corners=False
     )
-    moved = (moved * inside[:, None]).round_().clamp_(0, 255)
+    if fill == "zeros":
+        moved = moved * inside[:, None]
+    moved = moved.round_().clamp_(0, 255)
     return moved.to(images.dtype), labels.to(masks.dtype) - 1
 
 

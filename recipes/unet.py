@@ -122,6 +122,7 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     vflip: float = 0.0  # training only: probability of a vertical flip
     zoom: float | None = None  # training: resize by 1/(1+zoom)..1+zoom; auto: 0.25 digits, else 0
     rotate: float = 0.0  # training only: rotate by up to this many degrees either way
+    fill: str = "reflect"  # zoom, rotate: the image past its edges: reflect (mirrored) or zeros
     jitter: float = 0.0  # training only: brightness, contrast, saturation x a factor 1 +- jitter
     # Images of different sizes: train and evaluate each at its own size, in similar-size batches.
     bucket_by_size: bool = False  # batches padded to their largest image, which loss and Dice skip
@@ -169,6 +170,10 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
             and 0 <= self.jitter < 1,
             f"zoom must be 0 or more (0.25: 0.8 to 1.25 times), rotate 0 to 180 degrees and "
             f"jitter 0 to below 1; got {self.zoom}, {self.rotate} and {self.jitter}",
+        )
+        require(
+            self.fill in ("reflect", "zeros"),
+            f"fill must be reflect (the image mirrored past its edges) or zeros, got {self.fill!r}",
         )
         size = image_size(self)
         require(
@@ -244,12 +249,14 @@ def read_trained(path):
 # ADAPT: your augmentation of a training batch, where it is (the GPU if cached): uint8 images
 # [N, C, H, W] and masks [N, H, W] alike. rand [N, RANDOMS]: per sample, seeded by (seed, epoch,
 # sample); each transform takes its own columns. Pixels moved in from outside the image are
-# IGNORE in the mask.
+# IGNORE in the mask, and in the image its mirror image (fill reflect) or black (zeros).
 def augment(images, masks, rand, cfg):
     images, masks = crop_and_flip(
         images, masks, rand[:, :4], crop=cfg.crop_size, hflip=cfg.hflip, vflip=cfg.vflip
     )
-    images, masks = zoom_and_rotate(images, masks, rand[:, 4:8], zoom=cfg.zoom, rotate=cfg.rotate)
+    images, masks = zoom_and_rotate(
+        images, masks, rand[:, 4:8], zoom=cfg.zoom, rotate=cfg.rotate, fill=cfg.fill
+    )
     return colour_jitter(images, rand[:, 8:11], cfg.jitter), masks
 
 
@@ -746,6 +753,10 @@ def mirrored_note(data, asked):
     )
 
 
+# augmentation_note: what each fill puts past the image's edges where zoom or rotate move it.
+FILLS = {"reflect": "mirrored (--fill zeros: black)", "zeros": "black (--fill reflect: mirrored)"}
+
+
 def augmentation_note(cfg):
     """The start-up line that says what augmentation training runs (augment()), each setting at
     its value: 0 turns it off."""
@@ -756,7 +767,10 @@ def augmentation_note(cfg):
     ]
     if not running:
         return "augmentation: none (hflip, vflip, zoom, rotate, jitter and crop_size all 0)"
-    return f"augmentation: {', '.join(running)} (each off at 0)"
+    note = f"augmentation: {', '.join(running)} (each off at 0)"
+    if cfg.zoom or cfg.rotate:
+        note += f"; past the image's edges: {FILLS[cfg.fill]}"
+    return note
 
 
 def dice_note(cfg, data):

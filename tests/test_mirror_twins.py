@@ -109,7 +109,13 @@ def test_shapes_that_lean_one_way_are_found_and_hflip_auto_is_0_and_zoom_auto_on
     assert all(difference >= 0.15 for _, difference in data.mirrored)
     settled = unet.resolved(cfg, data, CPU)
     assert (settled.hflip, settled.zoom) == (0, 0.25)
-    assert unet.augmentation_note(settled) == "augmentation: zoom 0.25 (each off at 0)"
+    assert unet.augmentation_note(settled) == (
+        "augmentation: zoom 0.25 (each off at 0); past the image's edges: mirrored "
+        "(--fill zeros: black)"
+    )
+    assert unet.augmentation_note(replace(settled, fill="zeros")).endswith(
+        "edges: black (--fill reflect: mirrored)"
+    )
     note = unet.mirrored_note(data, cfg)
     assert note.startswith("note: classes 1, 2, 3 have shapes that a mirror changes")
     assert note.endswith(

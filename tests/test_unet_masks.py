@@ -455,16 +455,26 @@ def test_zoom_and_rotate_move_each_image_and_its_mask_alike_and_ignore_what_come
     x, y = zoom_and_rotate(plain, masks, rand, zoom=1)
     assert torch.equal(y, masks[:, :4, :4].repeat_interleave(2, 1).repeat_interleave(2, 2))
     assert torch.equal(x, plain)
-    # Zoomed out 2x, centred: the image in the middle half, and around it zeros, IGNORE in the
-    # mask, so that the loss and the metrics skip them.
+    # Zoomed out 2x, centred: the image in the middle half, and around it IGNORE in the mask, so
+    # that the loss and the metrics skip it; in the image, by default, the image mirrored across
+    # its edges (no black frame that held-out images never have), or zeros with fill="zeros".
     small = masks[:, :4, :4]
     blocks = small.repeat_interleave(2, 1).repeat_interleave(2, 2)  # each class 2x2 pixels
-    x, y = zoom_and_rotate(plain, blocks, torch.tensor([[0.0, 0.5, 0.5, 0.5]] * 2), zoom=1)
+    out = torch.tensor([[0.0, 0.5, 0.5, 0.5]] * 2)
     border = torch.ones(8, 8, dtype=torch.bool)
     border[2:6, 2:6] = False
-    assert (y[:, border] == IGNORE).all() and (x[:, 0, border] == 0).all()
+    even = images * 2  # the mean of 2x2 of its pixels, what bilinear takes here, is a whole number
+    x, y = zoom_and_rotate(even, blocks, out, zoom=1)
+    assert (y[:, border] == IGNORE).all()
     assert torch.equal(y[:, 2:6, 2:6], small)  # nearest neighbour: whole classes
-    assert (x[:, 0, 2:6, 2:6] == 200).all()
+    inner = x[:, :, 2:6, 2:6]
+    assert torch.equal(x[:, :, 2:6, :2], inner[..., :2].flip(3))  # the left edge's mirror
+    assert torch.equal(x[:, :, 2:6, 6:], inner[..., 2:].flip(3))  # the right edge's
+    assert torch.equal(x[:, :, :2, 2:6], inner[:, :, :2].flip(2))  # the top edge's
+    assert len(inner.unique()) == 32  # a picture, not a colour that any mirror leaves alike
+    x, y = zoom_and_rotate(plain, blocks, out, zoom=1, fill="zeros")
+    assert (y[:, border] == IGNORE).all() and (x[:, 0, border] == 0).all()
+    assert torch.equal(y[:, 2:6, 2:6], small) and (x[:, 0, 2:6, 2:6] == 200).all()
     assert zoom_and_rotate(images, masks, torch.rand(2, 4)) == (images, masks)  # nothing to do
 
 

@@ -580,6 +580,7 @@ def test_bad_settings_are_rejected(unet):
         (["--encoder", "resnet18", "--in_channels", "1"], "a resnet18 encoder takes RGB"),
         (["--encoder_weights", "x.pth"], "encoder_weights needs an encoder: add --encoder"),
         (["--scheduler", "step"], "scheduler must be cosine, hold_cosine, plateau, constant"),
+        (["--fill", "black"], "fill must be reflect (the image mirrored past its edges) or zeros"),
         (["--predict", "x.png"], "predict needs weights"),
         (
             ["--bucket_by_size", "true", "--image_size", "64"],
