@@ -260,8 +260,9 @@ def augment(images, masks, rand, cfg):
     return colour_jitter(images, rand[:, 8:11], cfg.jitter), masks
 
 
-# overfit_batches: what augment() reads, each at its value that turns it off, and the lr held
-# constant (a schedule fitted to a short run lowers it before the batches are learned).
+# overfit_batches: what augment() reads, each at its value that turns it off, the lr held
+# constant (a schedule fitted to a short run lowers it before the batches are learned), and the
+# model's dropout off (unet_model.py; a model of your own may have none).
 OVERFIT = {
     "crop_size": 0,
     "hflip": 0.0,
@@ -270,6 +271,7 @@ OVERFIT = {
     "rotate": 0.0,
     "jitter": 0.0,
     "scheduler": "constant",
+    "dropout": 0.0,
 }
 
 
@@ -570,7 +572,7 @@ def settle(cfg, accelerator):
             cfg, trained["model"], MODEL_SETTINGS, path=cfg.weights, inferred=INFERRED
         )
     if cfg.overfit_batches:  # the first batches as they are, at a constant lr
-        cfg = replace(cfg, **OVERFIT)
+        cfg = replace(cfg, **{k: v for k, v in OVERFIT.items() if hasattr(cfg, k)})
     data = load_data(cfg, accelerator, trained)
     return resolved(cfg, data, accelerator.device), data, trained
 
@@ -809,6 +811,8 @@ def main(cfg):
     settings = {k: getattr(cfg, k) for k in MODEL_SETTINGS}
     model = build_model(settings, cfg)
     named = type(model).__name__  # as built: after prepare(), DDP may wrap it
+    if getattr(cfg, "dropout", 0):  # the model's (unet_model.py); a model of your own may have none
+        named += f" (dropout {cfg.dropout:g} in its two deepest levels)"
     load_weights(model, cfg.weights)  # --weights, if given
     model, norm = sync_batchnorm(model, accelerator, cfg.sync_bn)
     optimizer = make_optimizer(model, cfg.scaled_lr(accelerator.num_processes), cfg, accelerator)

@@ -19,6 +19,11 @@ load_encoder_weights can start from ImageNet weights, and a decoder of 5 blocks.
 Both take grad_checkpointing: each level keeps only its input for backward and runs again there
 (common/recompute.py), for less activation memory at the cost of one more forward. It changes no
 weight, so weights files do not record it.
+
+Both take dropout: in training, a share of the features of the two deepest levels (the end of the
+contracting path, where the U-Net paper puts its "drop-out layers", as zhixuhao/unet's drop4 and
+drop5) is zeroed at random and the rest scaled up, as nn.Dropout does: on their way down and
+along their skips. It has no weights, so weights files do not record it either.
 """
 
 from dataclasses import dataclass
@@ -54,6 +59,7 @@ class ModelConfig:
     bilinear: bool = False  # upsample by bilinear interpolation, not transposed convolutions
     channels_last: bool | None = None  # NHWC: faster fp16/bf16 convolutions; auto: on with CUDA
     grad_checkpointing: bool = False  # recompute each level's activations in backward: less memory
+    dropout: float = 0.0  # in training, in the two deepest levels (the U-Net paper's 0.5); 0: none
 
     def validate(self):
         """The one-line errors of the model's settings, at start-up; then the next class's."""
@@ -76,6 +82,10 @@ class ModelConfig:
         )
         require(not self.encoder or not self.bilinear, "an encoder's decoder always interpolates")
         require(
+            0 <= self.dropout < 1,
+            f"dropout must be 0 (none) to below 1, such as 0.5, got {self.dropout}",
+        )
+        require(
             not self.encoder_weights or self.encoder,
             "encoder_weights needs an encoder: add --encoder resnet34 (or resnet18, resnet50)",
         )
@@ -94,11 +104,12 @@ def input_channels(cfg):
 def build_model(settings, cfg=None):
     """The model that `settings` (MODEL_SETTINGS) describe, as predict and export rebuild it; with
     the run's settings `cfg`, as training builds it: its activations recomputed in the backward
-    pass (grad_checkpointing, which changes no weight), its encoder started from encoder_weights
-    (unless --weights give the whole model), in channels_last memory format if set."""
+    pass (grad_checkpointing, which changes no weight), dropout in its two deepest levels, its
+    encoder started from encoder_weights (unless --weights give the whole model), in channels_last
+    memory format if set."""
     if cfg is None:
         return build_unet(**settings)
-    model = build_unet(**settings, grad_checkpointing=cfg.grad_checkpointing)
+    model = build_unet(**settings, grad_checkpointing=cfg.grad_checkpointing, dropout=cfg.dropout)
     if cfg.encoder_weights and not cfg.weights:  # a pretrained encoder, under a new decoder
         load_encoder_weights(model, cfg.encoder_weights)
     return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
@@ -152,10 +163,17 @@ class Up(nn.Module):
 
 class UNet(nn.Module):
     def __init__(
-        self, num_classes, base_channels=64, bilinear=False, in_channels=3, grad_checkpointing=False
+        self,
+        num_classes,
+        base_channels=64,
+        bilinear=False,
+        in_channels=3,
+        grad_checkpointing=False,
+        dropout=0.0,
     ):
         super().__init__()
         self.grad_checkpointing = grad_checkpointing  # a plain attribute: not in the state_dict
+        self.dropout = nn.Dropout(dropout)  # of the two deepest levels, in training; no weights
         c = [base_channels * 2**i for i in range(5)]  # 64, 128, 256, 512, 1024
         f = 2 if bilinear else 1
         self.inc = double_conv(in_channels, c[0])
@@ -171,8 +189,10 @@ class UNet(nn.Module):
     def forward(self, x):
         level = recompute if self.grad_checkpointing else _call  # recompute: while training
         skips = [level(self.inc, x)]
-        for down in self.downs:
-            skips.append(level(down, skips[-1]))
+        for i, down in enumerate(self.downs):
+            features = level(down, skips[-1])
+            # The end of the contracting path: the two deepest levels, at 1/8 and 1/16.
+            skips.append(self.dropout(features) if i >= 2 else features)
         x = skips.pop()
         for up in self.ups:
             x = level(up, x, skips.pop())
@@ -227,6 +247,7 @@ class ResNetUNet(nn.Module):
         in_channels=3,
         encoder="resnet34",
         grad_checkpointing=False,
+        dropout=0.0,
     ):
         super().__init__()
         if encoder not in ENCODERS:
@@ -235,6 +256,7 @@ class ResNetUNet(nn.Module):
             raise ValueError(f"the {encoder} encoder takes 3 (RGB) channels, not {in_channels}")
         self.encoder_name = encoder
         self.grad_checkpointing = grad_checkpointing  # a plain attribute: not in the state_dict
+        self.dropout = nn.Dropout(dropout)  # of the encoder's two deepest stages, in training
         self.encoder = ResNetEncoder(encoder)
         e = self.encoder.channels
         d = [base_channels * 2**i for i in (4, 3, 2, 1, 0)]  # base 16: 256, 128, 64, 32, 16
@@ -252,6 +274,7 @@ class ResNetUNet(nn.Module):
         features = []
         for stage in range(5):
             x = level(self.encoder, x, stage)
+            x = self.dropout(x) if stage >= 3 else x  # the two deepest stages, at 1/16 and 1/32
             features.append(x)
         skips = features[3::-1] + [None]  # strides 16, 8, 4, 2, then none at full size
         x = features[4]
@@ -261,7 +284,14 @@ class ResNetUNet(nn.Module):
 
 
 def build_unet(
-    *, num_classes, in_channels, encoder, base_channels, bilinear, grad_checkpointing=False
+    *,
+    num_classes,
+    in_channels,
+    encoder,
+    base_channels,
+    bilinear,
+    grad_checkpointing=False,
+    dropout=0.0,
 ):
     """The classic UNet, or with `encoder` (one of ENCODERS) a ResNetUNet, whose decoder always
     interpolates (bilinear is for the classic one)."""
@@ -272,6 +302,7 @@ def build_unet(
             in_channels=in_channels,
             encoder=encoder,
             grad_checkpointing=grad_checkpointing,
+            dropout=dropout,
         )
     return UNet(
         num_classes,
@@ -279,6 +310,7 @@ def build_unet(
         bilinear=bilinear,
         in_channels=in_channels,
         grad_checkpointing=grad_checkpointing,
+        dropout=dropout,
     )
 
 

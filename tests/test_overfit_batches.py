@@ -28,11 +28,14 @@ def test_the_first_batches_of_each_process_are_what_trains_and_what_evaluates(
     args = ["--dataset", shapes, "--val_fraction", VAL_FRACTION, "--num_workers", 0]
     cfg = parse_config(unet.Config, [str(a) for a in [*args, "--batch_size", 4]])
     overfit = parse_config(
-        unet.Config, [str(a) for a in [*args, "--batch_size", 4, "--overfit_batches", 2]]
+        unet.Config,
+        [str(a) for a in [*args, "--batch_size", 4, "--overfit_batches", 2, "--dropout", 0.5]],
     )
     settled, data, _ = unet.settle(overfit, build_accelerator())
-    # Unaugmented, at a constant lr: a schedule fitted to a short run would lower it first.
+    # Unaugmented, at a constant lr (a schedule fitted to a short run would lower it first), with
+    # no dropout: can the model learn these batches by heart?
     assert (settled.hflip, settled.zoom, settled.scheduler) == (0, 0, "constant")
+    assert (overfit.dropout, settled.dropout) == (0.5, 0)
     train_pairs, _ = unet.list_pairs(cfg)
     names = [name for _, _, name in train_pairs[:8]]
     for loader in (data.train_loader, data.val_loader):

@@ -1,6 +1,7 @@
 """recipes/unet_model.py: grad_checkpointing trains the same weights and BatchNorm statistics with
-far less activation memory; ResNetUNet takes any input size; load_encoder_weights reads a local
-torchvision checkpoint or a torchvision weight name, and fails with one line that names the fix."""
+far less activation memory; dropout zeroes half the features of the two deepest levels in training
+only; ResNetUNet takes any input size; load_encoder_weights reads a local torchvision checkpoint or
+a torchvision weight name, and fails with one line that names the fix."""
 
 import copy
 import sys
@@ -87,6 +88,40 @@ def test_grad_checkpointing_keeps_far_less_for_backward(name):
     # Without gradients, or in eval mode, the model simply runs: nothing to save.
     with torch.no_grad():
         torch.testing.assert_close(ckpt.eval()(x), plain.eval()(x))
+
+
+DROPPED = {
+    "unet": lambda dropout: UNet(3, base_channels=4, dropout=dropout),
+    "resnet-unet": lambda dropout: ResNetUNet(
+        3, base_channels=4, encoder="resnet18", dropout=dropout
+    ),
+}
+
+
+@pytest.mark.parametrize("name", tiered(DROPPED))
+def test_dropout_zeroes_half_the_two_deepest_levels_in_training_only(name):
+    torch.manual_seed(0)
+    plain, dropped = DROPPED[name](0.0), DROPPED[name](0.5)
+    dropped.load_state_dict(plain.state_dict())  # dropout is no weight: the same keys load
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():  # evaluated, the two are the same model
+        torch.testing.assert_close(dropped.eval()(x), plain.eval()(x))
+    seen = []
+    dropped.dropout.register_forward_hook(lambda module, inputs, out: seen.append((*inputs, out)))
+    dropped.train()(x)
+    # The end of the contracting path: the classic U-Net's last two levels down (base 4: 32
+    # channels at 1/8 of the side, 64 at 1/16), the encoder's last two stages (resnet18: 256 at
+    # 1/16, 512 at 1/32).
+    shapes = [tuple(features.shape) for features, _ in seen]
+    if name == "unet":
+        assert shapes == [(2, 32, 8, 8), (2, 64, 4, 4)]
+    else:
+        assert shapes == [(2, 256, 4, 4), (2, 512, 2, 2)]
+    for features, out in seen:
+        alive = features != 0
+        zeroed = (out == 0) & alive
+        assert 0.35 < zeroed.sum() / alive.sum() < 0.65
+        torch.testing.assert_close(out[alive & ~zeroed], 2 * features[alive & ~zeroed])
 
 
 @pytest.mark.slow

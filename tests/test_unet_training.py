@@ -136,12 +136,15 @@ def test_two_processes_exact_eval_count_lr_schedule_and_tensorboard_panels(shape
             2,
             "--scheduler",
             "cosine",
+            "--dropout",
+            0.5,
         ],
         nproc=2,
     )
     assert_ok(res)
     assert "2 process(es) on cpu, gloo" in res.output and "; channels_last on; " in res.output
-    assert "; RGB images; UNet; " in res.output  # the model built, not the DDP wrapping it
+    # The model built, not the DDP wrapping it, and its dropout.
+    assert "; RGB images; UNet (dropout 0.5 in its two deepest levels); " in res.output
     # PyTorch's SyncBatchNorm has no CPU kernels; the start-up line says what each run uses.
     assert "BatchNorm per process (SyncBatchNorm needs GPUs)" in res.output
     rows = read_metrics(tmp_path)
@@ -581,6 +584,7 @@ def test_bad_settings_are_rejected(unet):
         (["--encoder_weights", "x.pth"], "encoder_weights needs an encoder: add --encoder"),
         (["--scheduler", "step"], "scheduler must be cosine, hold_cosine, plateau, constant"),
         (["--fill", "black"], "fill must be reflect (the image mirrored past its edges) or zeros"),
+        (["--dropout", "1"], "dropout must be 0 (none) to below 1, such as 0.5, got 1.0"),
         (["--predict", "x.png"], "predict needs weights"),
         (
             ["--bucket_by_size", "true", "--image_size", "64"],
