@@ -660,7 +660,9 @@ def imbalance_note(cfg, data):
     """A start-up line when one class holds most of the training pixels and neither class_weights
     nor focal_gamma is set: the model may then learn that class alone, which Dice hides, and a
     class of a few pixels may never be learned, even on one batch. It names the settings that
-    learned such classes (docs/unet.md, "Learning your classes")."""
+    learned such classes (docs/unet.md, "Learning your classes"), for a run that ends so: on
+    classes told apart by shape, runs stay close to the background alone for their first epochs
+    and then learn, and the class weights cost mIoU there (docs/learning.md)."""
     pixels = data.class_pixels
     top = max(range(len(pixels)), key=pixels.__getitem__)
     share = pixels[top] / max(sum(pixels), 1)
@@ -671,8 +673,9 @@ def imbalance_note(cfg, data):
     present = sum(p > 0 for p in pixels)  # a class in no mask is left out of miou's mean
     return (
         f"note: class {top} ({name}mask value {value}) holds {share:.0%} of the training pixels: "
-        f"if the model learns it alone (its IoU near {share:.2f}, the other classes' 0: miou near "
-        f"{share / present:.2f}), set --class_weights auto, or --config {RARE_CLASSES}; "
+        f"if a run ends with the model predicting it alone (its IoU near {share:.2f}, the other "
+        f"classes' 0: miou near {share / present:.2f}), set --class_weights auto, or --config "
+        f"{RARE_CLASSES}; "
         f"--overfit_batches 1 checks that it can learn one batch"
     )
 
