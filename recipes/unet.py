@@ -675,8 +675,7 @@ def imbalance_note(cfg, data):
         f"note: class {top} ({name}mask value {value}) holds {share:.0%} of the training pixels: "
         f"if a run ends with the model predicting it alone (its IoU near {share:.2f}, the other "
         f"classes' 0: miou near {share / present:.2f}), set --class_weights auto, or --config "
-        f"{RARE_CLASSES}; "
-        f"--overfit_batches 1 checks that it can learn one batch"
+        f"{RARE_CLASSES}; --overfit_batches 1 checks that it can learn one batch"
     )
 
 
