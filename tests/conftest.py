@@ -213,6 +213,16 @@ def make_shapes(root, count, size, *more):
     return root
 
 
+def make_digits(root, *args):
+    """scripts/make_digits.py into root with its arguments `args`, such as "--count", "10"."""
+    subprocess.run(
+        [sys.executable, REPO / "scripts" / "make_digits.py", *args, "--out", root],
+        check=True,
+        capture_output=True,
+    )
+    return root
+
+
 TINY_MODEL = """
 class TinyNet(nn.Module):  # the user's own model
     def __init__(self, num_classes):

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import ONE_THREAD, REPO
+from conftest import ONE_THREAD, REPO, make_digits
 from PIL import Image
 
 from common.pairs import folder_splits
@@ -16,16 +16,10 @@ from common.pairs import folder_splits
 
 @pytest.mark.slow
 def test_name_digits_crops_each_digit_of_the_recipes_split_and_reports_every_epoch(tmp_path):
-    data = tmp_path / "digits"
-    subprocess.run(
-        [
-            sys.executable,
-            REPO / "scripts" / "make_digits.py",
-            *("--colours", "random", "--digit_size", "0.46,0.625", "--band", "2"),
-            *("--size", "48", "--count", "30", "--out", data),
-        ],
-        check=True,
-        capture_output=True,
+    data = make_digits(
+        tmp_path / "digits",
+        *("--colours", "random", "--digit_size", "0.46,0.625", "--band", "2"),
+        *("--size", "48", "--count", "30"),
     )
     res = subprocess.run(
         [

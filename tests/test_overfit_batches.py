@@ -4,14 +4,11 @@ learn their data at all (Lightning's overfit_batches, Karpathy's "overfit one ba
 samples: in-process, for both recipes. That a U-Net memorises a few images whose classes differ
 only by shape (scripts/make_digits.py --colours random), and MNIST a few batches: launched."""
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ONE_THREAD, REPO, VAL_FRACTION, assert_ok, launch, read_metrics
+from conftest import ONE_THREAD, VAL_FRACTION, assert_ok, launch, make_digits, read_metrics
 from PIL import Image
 from recipe_module import load_recipe
 
@@ -71,16 +68,10 @@ def test_a_unet_memorises_a_few_images_whose_classes_differ_only_by_shape(unet, 
     # tells a digit's class. The first batch of the training split: 4 images of 48x48, with 3
     # to 6 classes. The class weights: a digit that another covers but for 40 pixels is learned
     # only with them (docs/unet.md, "Learning your classes").
-    data = tmp_path / "digits"
-    subprocess.run(
-        [
-            sys.executable,
-            REPO / "scripts" / "make_digits.py",
-            *("--colours", "random", "--clutter", "4", "--digit_size", "0.46,0.625"),
-            *("--band", "2", "--size", "48", "--count", "10", "--out", data),
-        ],
-        check=True,
-        capture_output=True,
+    data = make_digits(
+        tmp_path / "digits",
+        *("--colours", "random", "--clutter", "4", "--digit_size", "0.46,0.625"),
+        *("--band", "2", "--size", "48", "--count", "10"),
     )
     args = [
         *("--dataset", data, "--val_fraction", 0.2, "--ignore_index", 255),
