@@ -367,6 +367,16 @@ def crop_and_flip(images, masks, rand, *, crop=0, hflip=0.0, vflip=0.0):
     return images[batch, :, rows, cols].permute(0, 3, 1, 2).contiguous(), masks[batch, rows, cols]
 
 
+def copy_paste(images, masks, sources, source_masks, background):
+    """Each image of a batch with the objects of another on top (the semantic form of the
+    "simple copy-paste" of Ghiasi et al., torchvision's SimpleCopyPaste): every pixel of
+    sources[n] whose class in source_masks[n] is not `background`, ignored pixels too (a void
+    band around an object goes with it), replaces that pixel in images[n] and masks[n]. uint8
+    images [N, C, H, W], class masks [N, H, W], the sources alike and of the same size."""
+    pasted = source_masks != background
+    return torch.where(pasted[:, None], sources, images), torch.where(pasted, source_masks, masks)
+
+
 def zoom_and_rotate(images, masks, rand, *, zoom=0.0, rotate=0.0, fill="reflect"):
     """Each image of a batch and its mask resized by a factor from 1 / (1 + zoom) to 1 + zoom
     (rand[n, 0], uniform on a log scale), rotated about the centre by up to `rotate` degrees

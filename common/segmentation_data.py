@@ -41,6 +41,7 @@ from common.config import ConfigError, UserError, require, shell_flag
 from common.data import (
     IMAGE_ERRORS,
     DataError,
+    copy_paste,
     cpus_per_process,
     index_tensor,
     pad_to,
@@ -889,6 +890,9 @@ class SegmentationSet(Dataset):
         self.pairs, self.classes, self.mode, self.sizes = pairs, classes, mode, sizes
         self.seed, self.with_randoms, self.cache, self.pad = seed, randoms, cache, pad
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+        # copy_paste: (the share of training samples that get another's objects, the background
+        # class); set by the recipe once the data has decided its settings.
+        self.paste = (0.0, 0)
 
     @property
     def epoch(self):
@@ -905,6 +909,24 @@ class SegmentationSet(Dataset):
         return tuple(part[0] for part in self.__getitems__([i]))
 
     def __getitems__(self, indices):
+        images, masks = self.read(indices)
+        if not self.with_randoms:
+            return images, masks
+        rand, partners = self.seeded(indices)
+        if partners:  # copy-paste: at the read, as it takes a second sample
+            rows, sources = zip(*partners)
+            at = to_device(index_tensor(rows), images.device)
+            pasted = copy_paste(
+                images.index_select(0, at),
+                masks.index_select(0, at),
+                *self.read(list(sources)),
+                background=self.paste[1],
+            )
+            images, masks = images.index_copy(0, at, pasted[0]), masks.index_copy(0, at, pasted[1])
+        return images, masks, rand
+
+    def read(self, indices):
+        """uint8 images [N, C, H, W] and int64 class masks [N, H, W] of these samples."""
         if self.cache is None:
             pairs = [
                 decode_pair(self.pairs, i, self.classes, self.mode, self.sizes[i]) for i in indices
@@ -913,24 +935,32 @@ class SegmentationSet(Dataset):
             pairs = [(self.cache[0][i], self.cache[1][i]) for i in indices]
         else:  # one gather per tensor, where the cache is
             index = to_device(index_tensor(indices), self.cache[0].device)
-            images = self.cache[0].index_select(0, index)
-            masks = as_classes(self.cache[1].index_select(0, index))
-        if self.cache is None or self.pad:
-            pairs = [(image, as_classes(mask)) for image, mask in pairs]
-            if self.pad:
-                images, masks = pad_collate(pairs, self.pad)
-            else:
-                images, masks = map(torch.stack, zip(*pairs))
-        if not self.with_randoms:
-            return images, masks
-        return images, masks, self.randoms(indices)
+            return self.cache[0].index_select(0, index), as_classes(
+                self.cache[1].index_select(0, index)
+            )
+        pairs = [(image, as_classes(mask)) for image, mask in pairs]
+        if self.pad:
+            return pad_collate(pairs, self.pad)
+        return tuple(map(torch.stack, zip(*pairs)))
 
     def randoms(self, indices):
         """[len(indices), RANDOMS] uniform numbers in [0, 1), each row from its sample's seed."""
+        return self.seeded(indices)[0]
+
+    def seeded(self, indices):
+        """randoms(indices), and with copy-paste on, the (row, sample) pairs of the samples that
+        get another's objects and that other sample's index: two more numbers from each sample's
+        seed say whether and which (never itself), the same on any number of processes."""
         gen, base = torch.Generator(), (self.seed * 1_000_003 + self.epoch) * 1_000_003
-        return torch.stack(
-            [torch.rand(RANDOMS, generator=gen.manual_seed(base + i)) for i in indices]
-        )
+        share, count = self.paste[0], len(self.pairs)
+        rows, partners = [], []
+        for row, i in enumerate(indices):
+            rows.append(torch.rand(RANDOMS, generator=gen.manual_seed(base + i)))
+            if share and count > 1:
+                chosen, which = torch.rand(2, generator=gen).tolist()
+                if chosen < share:
+                    partners.append((row, (i + 1 + int(which * (count - 1))) % count))
+        return torch.stack(rows), partners
 
 
 @dataclass

@@ -124,6 +124,8 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     rotate: float = 0.0  # training only: rotate by up to this many degrees either way
     fill: str = "reflect"  # zoom, rotate: the image past its edges: reflect (mirrored) or zeros
     jitter: float = 0.0  # training only: brightness, contrast, saturation x a factor 1 +- jitter
+    copy_paste: float | None = None  # training: this share of images get another's objects on top
+    # (copy_paste auto: 0.5 for shapes that a mirror changes, as zoom, else 0)
     # Images of different sizes: train and evaluate each at its own size, in similar-size batches.
     bucket_by_size: bool = False  # batches padded to their largest image, which loss and Dice skip
     max_batch_pixels: int = 0  # bucket_by_size: padded pixels per batch; 0: batch_size x largest
@@ -170,6 +172,16 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
             and 0 <= self.jitter < 1,
             f"zoom must be 0 or more (0.25: 0.8 to 1.25 times), rotate 0 to 180 degrees and "
             f"jitter 0 to below 1; got {self.zoom}, {self.rotate} and {self.jitter}",
+        )
+        require(
+            self.copy_paste is None or 0 <= self.copy_paste <= 1,
+            f"copy_paste is the share of training images that get another's objects, 0 to 1; got "
+            f"{self.copy_paste}",
+        )
+        require(
+            not (self.bucket_by_size and self.copy_paste),
+            "copy_paste pastes between images of one size: set --image_size, not bucket_by_size "
+            "(or --copy_paste 0)",
         )
         require(
             self.fill in ("reflect", "zeros"),
@@ -249,7 +261,8 @@ def read_trained(path):
 # ADAPT: your augmentation of a training batch, where it is (the GPU if cached): uint8 images
 # [N, C, H, W] and masks [N, H, W] alike. rand [N, RANDOMS]: per sample, seeded by (seed, epoch,
 # sample); each transform takes its own columns. Pixels moved in from outside the image are
-# IGNORE in the mask, and in the image its mirror image (fill reflect) or black (zeros).
+# IGNORE in the mask, and in the image its mirror image (fill reflect) or black (zeros). Copy-paste
+# (copy_paste), which takes a second image, runs before, where the batch is read: see settle().
 def augment(images, masks, rand, cfg):
     images, masks = crop_and_flip(
         images, masks, rand[:, :4], crop=cfg.crop_size, hflip=cfg.hflip, vflip=cfg.vflip
@@ -270,6 +283,7 @@ OVERFIT = {
     "zoom": 0.0,
     "rotate": 0.0,
     "jitter": 0.0,
+    "copy_paste": 0.0,
     "scheduler": "constant",
     "dropout": 0.0,
 }
@@ -541,13 +555,19 @@ def resolved(cfg, data, device):
     decides num_classes, in_channels, max_batch_pixels, cache_images and eval_batch_size (0: by
     pixels), hflip auto: 0 where classes are mirror twins (left/right) or shapes that a mirror
     changes (digits, letters), else 0.5, and zoom auto: 0.25 for such shapes, which it leaves
-    alike (a zoomed digit is the same digit), in the flips' place, else 0; channels_last
+    alike (a zoomed digit is the same digit), in the flips' place, else 0, as is copy_paste
+    auto (0.5: objects of other images among them; a digit is a digit anywhere); channels_last
     auto is on with CUDA, off on CPUs (docs/performance.md)."""
     auto = cfg.channels_last is None
     cfg = replace(
         cfg,
         hflip=(0.0 if data.twins or data.mirrored else 0.5) if cfg.hflip is None else cfg.hflip,
         zoom=(0.25 if data.mirrored else 0.0) if cfg.zoom is None else cfg.zoom,
+        copy_paste=(
+            (0.5 if data.mirrored and not cfg.bucket_by_size else 0.0)
+            if cfg.copy_paste is None
+            else cfg.copy_paste
+        ),
         num_classes=data.num_classes,
         in_channels=data.in_channels,
         max_batch_pixels=data.max_batch_pixels,
@@ -574,7 +594,11 @@ def settle(cfg, accelerator):
     if cfg.overfit_batches:  # the first batches as they are, at a constant lr
         cfg = replace(cfg, **{k: v for k, v in OVERFIT.items() if hasattr(cfg, k)})
     data = load_data(cfg, accelerator, trained)
-    return resolved(cfg, data, accelerator.device), data, trained
+    cfg = resolved(cfg, data, accelerator.device)
+    # Copy-paste: the dataset pastes the objects (every pixel not background) of another training
+    # image, picked per sample, onto this share of them as it reads them (common/data.py).
+    data.train_loader.dataset.paste = (cfg.copy_paste, data.background)
+    return cfg, data, trained
 
 
 SCHEDULERS = {  # the cosines' length is set by fit_schedule(), at the start and on a resume
@@ -734,7 +758,7 @@ def twins_note(data, hflip):
 def mirrored_note(data, asked):
     """A start-up line when the classes' shapes are ones that a mirror changes, as digits' and
     letters' are (the data's mirrored, mirror_shapes). asked: the settings as given, whose hflip
-    and zoom auto (None) are then 0 and 0.25."""
+    zoom and copy_paste auto (None) are then 0, 0.25 and 0.5."""
     if not data.mirrored:
         return None
     labels, apart, hflip = data.names, [d for _, d in data.mirrored], asked.hflip
@@ -750,6 +774,8 @@ def mirrored_note(data, asked):
     )
     if asked.zoom is None:
         then += ", and zoom is 0.25 in the flips' place (auto; --zoom 0 turns it off)"
+    if asked.copy_paste is None and not asked.bucket_by_size:
+        then += "; copy_paste 0.5 puts other images' objects among them (auto; --copy_paste 0: off)"
     return (
         f"note: classes {shown}{more} have shapes that a mirror changes, as digits and letters "
         f"do (their mean shape and its mirror image differ by {min(apart):.2f} to "
@@ -766,11 +792,14 @@ def augmentation_note(cfg):
     its value: 0 turns it off."""
     running = [
         f"{name} {getattr(cfg, name):g}"
-        for name in ("hflip", "vflip", "zoom", "rotate", "jitter", "crop_size")
+        for name in ("hflip", "vflip", "zoom", "rotate", "jitter", "crop_size", "copy_paste")
         if getattr(cfg, name)
     ]
     if not running:
-        return "augmentation: none (hflip, vflip, zoom, rotate, jitter and crop_size all 0)"
+        return (
+            "augmentation: none (hflip, vflip, zoom, rotate, jitter, crop_size and copy_paste "
+            "all 0)"
+        )
     note = f"augmentation: {', '.join(running)} (each off at 0)"
     if cfg.zoom or cfg.rotate:
         note += f"; past the image's edges: {FILLS[cfg.fill]}"
