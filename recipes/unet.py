@@ -124,8 +124,7 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     rotate: float = 0.0  # training only: rotate by up to this many degrees either way
     fill: str = "reflect"  # zoom, rotate: the image past its edges: reflect (mirrored) or zeros
     jitter: float = 0.0  # training only: brightness, contrast, saturation x a factor 1 +- jitter
-    copy_paste: float | None = None  # training: this share of images get another's objects on top
-    # (copy_paste auto: 0.5 for shapes that a mirror changes, as zoom, else 0)
+    copy_paste: float | None = None  # training: share of images pasted on; auto 0.5 digits, else 0
     # Images of different sizes: train and evaluate each at its own size, in similar-size batches.
     bucket_by_size: bool = False  # batches padded to their largest image, which loss and Dice skip
     max_batch_pixels: int = 0  # bucket_by_size: padded pixels per batch; 0: batch_size x largest

@@ -144,7 +144,7 @@ def check_data(cfg, accelerator, count=8):
             accelerator.print(line)
     if accelerator.is_main_process:
         train_set = data.train_loader.dataset
-        samples = [train_set[i][:2] for i in range(min(count, len(train_set)))]
+        samples = list(zip(*train_set.read(range(min(count, len(train_set))))))  # as they are
         path = Path(cfg.output_dir) / "data_check.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         labels = [f"{i}: {name}" for i, name in enumerate(data.names)]  # a name, or a mask value

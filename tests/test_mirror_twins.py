@@ -100,7 +100,9 @@ def make_letters(root, count, mirrored_too, size=48, seed=0):
     return root
 
 
-def test_shapes_that_lean_one_way_are_found_and_hflip_auto_is_0_and_zoom_auto_on(unet, tmp_path):
+def test_shapes_that_lean_one_way_are_found_and_hflip_auto_is_0_and_zoom_and_copy_paste_on(
+    unet, tmp_path
+):
     letters = make_letters(tmp_path / "letters", 240, mirrored_too=False)
     args = ["--images", letters / "imgs", "--masks", letters / "masks", "--output_dir", tmp_path]
     cfg, data = loaded(unet, args)
@@ -108,10 +110,10 @@ def test_shapes_that_lean_one_way_are_found_and_hflip_auto_is_0_and_zoom_auto_on
     assert [i for i, _ in data.mirrored] == [1, 2, 3]  # L, F and P; T is its own mirror image
     assert all(difference >= 0.15 for _, difference in data.mirrored)
     settled = unet.resolved(cfg, data, CPU)
-    assert (settled.hflip, settled.zoom) == (0, 0.25)
+    assert (settled.hflip, settled.zoom, settled.copy_paste) == (0, 0.25, 0.5)
     assert unet.augmentation_note(settled) == (
-        "augmentation: zoom 0.25 (each off at 0); past the image's edges: mirrored "
-        "(--fill zeros: black)"
+        "augmentation: zoom 0.25, copy_paste 0.5 (each off at 0); past the image's edges: "
+        "mirrored (--fill zeros: black)"
     )
     assert unet.augmentation_note(replace(settled, fill="zeros")).endswith(
         "edges: black (--fill reflect: mirrored)"
@@ -120,13 +122,18 @@ def test_shapes_that_lean_one_way_are_found_and_hflip_auto_is_0_and_zoom_auto_on
     assert note.startswith("note: classes 1, 2, 3 have shapes that a mirror changes")
     assert note.endswith(
         "hflip is 0 (auto; --hflip 0.5 flips anyway), and zoom is 0.25 in the flips' place "
-        "(auto; --zoom 0 turns it off)"
+        "(auto; --zoom 0 turns it off); copy_paste 0.5 puts other images' objects among them "
+        "(auto; --copy_paste 0: off)"
     )
-    asked = replace(cfg, hflip=0.5, zoom=0.0)
+    bucketed = replace(cfg, bucket_by_size=True)  # images of their own sizes: none to paste
+    assert unet.resolved(bucketed, data, CPU).copy_paste == 0
+    assert "copy_paste" not in unet.mirrored_note(data, bucketed)
+    asked = replace(cfg, hflip=0.5, zoom=0.0, copy_paste=0.0)
     assert "leave hflip at auto" in unet.mirrored_note(data, asked)
     assert "zoom" not in unet.mirrored_note(data, asked)
+    assert "copy_paste" not in unet.mirrored_note(data, asked)
     settled = unet.resolved(asked, data, CPU)
-    assert (settled.hflip, settled.zoom) == (0.5, 0)  # as asked: the note says what it does
+    assert (settled.hflip, settled.zoom, settled.copy_paste) == (0.5, 0, 0)  # as asked
     assert unet.augmentation_note(settled) == "augmentation: hflip 0.5 (each off at 0)"
 
 
@@ -135,7 +142,7 @@ def test_shapes_in_both_mirror_images_keep_hflip_auto_at_half_and_zoom_off(unet,
     args = ["--images", letters / "imgs", "--masks", letters / "masks", "--output_dir", tmp_path]
     cfg, data = loaded(unet, args)
     settled = unet.resolved(cfg, data, CPU)
-    assert data.mirrored == [] and (settled.hflip, settled.zoom) == (0.5, 0)
+    assert data.mirrored == [] and (settled.hflip, settled.zoom, settled.copy_paste) == (0.5, 0, 0)
     assert unet.augmentation_note(settled) == "augmentation: hflip 0.5 (each off at 0)"
     assert unet.mirrored_note(data, cfg) is None
 

@@ -273,6 +273,14 @@ def test_check_data_prints_the_classes_and_notes_and_draws_them_without_training
     painted = paint(torch.arange(3)).tolist()
     assert all((key == colour).all(1).any() for colour in painted), painted
     assert sorted(p.name for p in out.iterdir()) == ["data_check.png"]  # nothing trained
+    # The images as they are: copy-paste, which pastes as training reads them, draws nothing.
+    pasting = [*args[:-1], tmp_path / "pasting", "--copy_paste", 1]
+    load_recipe("unet_predict").check_data(
+        parse_config(unet.Config, [str(a) for a in pasting]), build_accelerator()
+    )
+    assert "augmentation: hflip 0.5, copy_paste 1 (each off at 0)" in capsys.readouterr().out
+    drawn = np.asarray(Image.open(tmp_path / "pasting" / "data_check.png"))
+    assert np.array_equal(drawn, np.asarray(sheet))
     # With the border ignored and the pet named, dice is the pet's.
     data = unet.load_data(
         parse_config(

@@ -35,7 +35,14 @@ from recipe_module import load_recipe
 
 from common.data import DataError, colour_jitter, crop_and_flip, zoom_and_rotate
 from common.metrics import confusion_counts
-from common.segmentation_data import IGNORE, pad_collate, scan_pairs, value_count
+from common.segmentation_data import (
+    IGNORE,
+    STORED_IGNORE,
+    SegmentationSet,
+    pad_collate,
+    scan_pairs,
+    value_count,
+)
 from unet_data import Pairs, list_pairs
 
 RECIPE = "recipes/unet.py"
@@ -403,7 +410,7 @@ def epoch_batches(unet, cfg, epoch):
 @pytest.mark.slow
 def test_cached_and_decoded_batches_are_identical_with_any_number_of_workers(unet, shapes):
     settings = dict(dataset=str(shapes), val_fraction=VAL_FRACTION, batch_size=8, crop_size=40)
-    settings.update(vflip=0.5, zoom=0.25, rotate=15, jitter=0.3)
+    settings.update(vflip=0.5, zoom=0.25, rotate=15, jitter=0.3, copy_paste=0.5)
     reading, cached = epoch_batches(unet, unet.Config(**settings, cache_images=True), epoch=3)
     assert reading == "images decoded once, 1 MB in cpu memory"
     for workers in (0, 2, -1):  # -1, the default: one per CPU core less one, at most 8
@@ -421,6 +428,46 @@ def test_cached_and_decoded_batches_are_identical_with_any_number_of_workers(une
     _, other_epoch = epoch_batches(unet, unet.Config(**settings, cache_images=True), epoch=4)
     # New crops every epoch.
     assert not all(torch.equal(a[0], b[0]) for a, b in zip(cached, other_epoch))
+
+
+def test_copy_paste_gives_a_share_of_the_samples_the_objects_of_another_picked_by_its_seed():
+    # 40 images of 8x8, image i all grey level i; in mask i, on background 0, a 2x2 object of
+    # class 1 + i % 3 at a place of its own, and one ignored pixel beside it (a void band).
+    n = 40
+    images = torch.arange(n, dtype=torch.uint8)[:, None, None, None].expand(n, 3, 8, 8).clone()
+    masks = torch.zeros(n, 8, 8, dtype=torch.uint8)
+    for i in range(n):
+        top, left = i % 7, (i // 7) % 6
+        masks[i, top : top + 2, left : left + 2] = 1 + i % 3
+        masks[i, top, left + 2] = STORED_IGNORE
+    samples = SegmentationSet(
+        range(n), None, "RGB", None, seed=3, randoms=True, cache=(images, masks)
+    )
+    samples.epoch = 2
+    _, plain_masks, plain_rand = samples.__getitems__(list(range(n)))
+    samples.paste = (0.5, 0)  # as settle() sets it: the share, and the background class
+    x, y, rand = samples.__getitems__(list(range(n)))
+    assert torch.equal(rand, plain_rand)  # the other augmentations' numbers stay as they were
+    _, partners = samples.seeded(list(range(n)))
+    pasted = dict(partners)
+    assert 12 <= len(pasted) <= 28 and all(pasted[k] != k for k in pasted)  # half, never itself
+    for k in range(n):  # pasted: j's object and void on k; the others as they were read
+        j = pasted.get(k, k)
+        on = masks[j] != 0  # every pixel of the other's that is not background, the void too
+        classes = masks[j].long().masked_fill(masks[j] == STORED_IGNORE, IGNORE)
+        assert on.sum() == 5 and torch.equal(x[k, :, on], images[j, :, on]), k
+        assert torch.equal(y[k, on], classes[on]) and (y[k, on] == IGNORE).sum() == 1
+        assert torch.equal(x[k, :, ~on], images[k, :, ~on])
+        assert torch.equal(y[k, ~on], plain_masks[k, ~on])
+    # Per sample: the same in any batches, in any order, so on any number of processes.
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    for batch in (order[:13], order[13:]):
+        x2, y2, _ = samples.__getitems__(batch)
+        assert torch.equal(x2, x[batch]) and torch.equal(y2, y[batch])
+    samples.epoch = 3  # other pairs in another epoch
+    assert dict(samples.seeded(list(range(n)))[1]) != pasted
+    samples.paste = (0.0, 0)
+    assert torch.equal(samples.__getitems__(list(range(n)))[0], images)
 
 
 def test_crop_and_flip_crop_and_flip_each_image_and_its_mask_alike():

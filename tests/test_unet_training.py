@@ -585,6 +585,11 @@ def test_bad_settings_are_rejected(unet):
         (["--scheduler", "step"], "scheduler must be cosine, hold_cosine, plateau, constant"),
         (["--fill", "black"], "fill must be reflect (the image mirrored past its edges) or zeros"),
         (["--dropout", "1"], "dropout must be 0 (none) to below 1, such as 0.5, got 1.0"),
+        (["--copy_paste", "2"], "copy_paste is the share of training images that get another's"),
+        (
+            ["--bucket_by_size", "true", "--copy_paste", "0.5"],
+            "copy_paste pastes between images of one size: set --image_size, not bucket_by_size",
+        ),
         (["--predict", "x.png"], "predict needs weights"),
         (
             ["--bucket_by_size", "true", "--image_size", "64"],
