@@ -240,7 +240,7 @@ def bench_loader(args, accelerator):
     def setup(flags):
         cfg = recipe_config(unet, args, *shlex.split(flags))
         start = time.perf_counter()
-        data = unet.load_data(cfg, accelerator)
+        _, data, _ = unet.settle(cfg, accelerator)  # copy_paste auto among what it settles
         loader = accelerator.prepare(data.train_loader)
         epochs = itertools.count()
 
