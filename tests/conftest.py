@@ -619,8 +619,8 @@ def unet():
 def camvid_two_processes(shapes, tmp_path_factory):
     """One 2-process `accelerate launch` of recipes/unet.py on `shapes` in CamVid's layout
     (tests/layouts.py: colour masks, class_dict.csv, Void along the top), read by the flags that
-    its first error names with Void ignored by name; 2 DataLoader workers each, crops, flips,
-    zoom, rotation and colour jitter; 8 steps (4 an epoch) with checkpoints at steps 3 (mid-epoch
+    its first error names with Void ignored by name; 2 DataLoader workers each, copy-paste,
+    crops, flips, zoom, rotation and colour jitter; 8 steps (4 an epoch) with checkpoints at steps 3 (mid-epoch
     1), 4, 6 and 8. test_own_data.py checks its classes, names and colours, test_unet_training.py
     resumes it from step 3. (root, the recipe and its settings, out, its Result)."""
 
@@ -639,6 +639,7 @@ def camvid_two_processes(shapes, tmp_path_factory):
         args += ["--base_channels", 8, "--batch_size", 8, "--eval_batch_size", 4, "--epochs", 2]
         args += ["--num_workers", 2, "--cache_images", "false", "--crop_size", 32]
         args += ["--vflip", 0.5, "--zoom", 0.25, "--rotate", 15, "--jitter", 0.3]
+        args += ["--copy_paste", 0.5]
         out = folder / "camvid_2p"
         more = ["--max_steps", 8, "--checkpoint_every_steps", 3, "--keep_checkpoints", 10]
         res = launch([*args, "--output_dir", out, *more], nproc=2, env=ONE_THREAD)
