@@ -554,8 +554,9 @@ def resolved(cfg, data, device):
     decides num_classes, in_channels, max_batch_pixels, cache_images and eval_batch_size (0: by
     pixels), hflip auto: 0 where classes are mirror twins (left/right) or shapes that a mirror
     changes (digits, letters), else 0.5, and zoom auto: 0.25 for such shapes, which it leaves
-    alike (a zoomed digit is the same digit), in the flips' place, else 0, as is copy_paste
-    auto (0.5: objects of other images among them; a digit is a digit anywhere); channels_last
+    alike (a zoomed digit is the same digit), in the flips' place, else 0, as copy_paste auto
+    is 0.5 (other images' digits among them: a digit is a digit in any company; 0 with
+    bucket_by_size, whose images differ in size); channels_last
     auto is on with CUDA, off on CPUs (docs/performance.md)."""
     auto = cfg.channels_last is None
     cfg = replace(
@@ -595,7 +596,8 @@ def settle(cfg, accelerator):
     data = load_data(cfg, accelerator, trained)
     cfg = resolved(cfg, data, accelerator.device)
     # Copy-paste: the dataset pastes the objects (every pixel not background) of another training
-    # image, picked per sample, onto this share of them as it reads them (common/data.py).
+    # image, picked per sample, onto this share of them as it reads them (common/data.py's
+    # copy_paste(), the same on any number of processes).
     data.train_loader.dataset.paste = (cfg.copy_paste, data.background)
     return cfg, data, trained
 
@@ -756,7 +758,7 @@ def twins_note(data, hflip):
 
 def mirrored_note(data, asked):
     """A start-up line when the classes' shapes are ones that a mirror changes, as digits' and
-    letters' are (the data's mirrored, mirror_shapes). asked: the settings as given, whose hflip
+    letters' are (the data's mirrored, mirror_shapes). asked: the settings as given, whose hflip,
     zoom and copy_paste auto (None) are then 0, 0.25 and 0.5."""
     if not data.mirrored:
         return None
