@@ -124,7 +124,7 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     rotate: float = 0.0  # training only: rotate by up to this many degrees either way
     fill: str = "reflect"  # zoom, rotate: the image past its edges: reflect (mirrored) or zeros
     jitter: float = 0.0  # training only: brightness, contrast, saturation x a factor 1 +- jitter
-    copy_paste: float | None = None  # training: share of images pasted on; auto 0.5 digits, else 0
+    copy_paste: float | None = None  # training: share pasted on; auto: 0.5 objects on a background
     # Images of different sizes: train and evaluate each at its own size, in similar-size batches.
     bucket_by_size: bool = False  # batches padded to their largest image, which loss and Dice skip
     max_batch_pixels: int = 0  # bucket_by_size: padded pixels per batch; 0: batch_size x largest
@@ -554,17 +554,17 @@ def resolved(cfg, data, device):
     decides num_classes, in_channels, max_batch_pixels, cache_images and eval_batch_size (0: by
     pixels), hflip auto: 0 where classes are mirror twins (left/right) or shapes that a mirror
     changes (digits, letters), else 0.5, and zoom auto: 0.25 for such shapes, which it leaves
-    alike (a zoomed digit is the same digit), in the flips' place, else 0, as copy_paste auto
-    is 0.5 (other images' digits among them: a digit is a digit in any company; 0 with
-    bucket_by_size, whose images differ in size); channels_last
-    auto is on with CUDA, off on CPUs (docs/performance.md)."""
+    alike (a zoomed digit is the same digit), in the flips' place, else 0; copy_paste auto:
+    0.5 for objects on a background (on_a_background), else 0, and 0 with bucket_by_size (the
+    images differ in size); channels_last auto is on with CUDA, off on CPUs
+    (docs/performance.md)."""
     auto = cfg.channels_last is None
     cfg = replace(
         cfg,
         hflip=(0.0 if data.twins or data.mirrored else 0.5) if cfg.hflip is None else cfg.hflip,
         zoom=(0.25 if data.mirrored else 0.0) if cfg.zoom is None else cfg.zoom,
         copy_paste=(
-            (0.5 if data.mirrored and not cfg.bucket_by_size else 0.0)
+            (0.5 if on_a_background(data) and not cfg.bucket_by_size else 0.0)
             if cfg.copy_paste is None
             else cfg.copy_paste
         ),
@@ -576,6 +576,16 @@ def resolved(cfg, data, device):
         channels_last=device.type == "cuda" if auto else cfg.channels_last,
     )
     return cfg
+
+
+def on_a_background(data):
+    """copy_paste auto's test: the classes are objects on a background, which holds half the
+    training pixels or more (digits, VOC's objects, Carvana's cars: another image's objects can
+    lie on it), with no mirror twins (an atlas's regions, each where it belongs). Where the
+    class of the most pixels holds less (a street's road, among buildings, sky and cars), the
+    other classes fill most of an image, and pasting them would replace it."""
+    pixels = data.class_pixels
+    return not data.twins and 2 * pixels[data.background] >= sum(pixels)
 
 
 def settle(cfg, accelerator):
@@ -758,8 +768,8 @@ def twins_note(data, hflip):
 
 def mirrored_note(data, asked):
     """A start-up line when the classes' shapes are ones that a mirror changes, as digits' and
-    letters' are (the data's mirrored, mirror_shapes). asked: the settings as given, whose hflip,
-    zoom and copy_paste auto (None) are then 0, 0.25 and 0.5."""
+    letters' are (the data's mirrored, mirror_shapes). asked: the settings as given, whose hflip
+    and zoom auto (None) are then 0 and 0.25."""
     if not data.mirrored:
         return None
     labels, apart, hflip = data.names, [d for _, d in data.mirrored], asked.hflip
@@ -775,8 +785,6 @@ def mirrored_note(data, asked):
     )
     if asked.zoom is None:
         then += ", and zoom is 0.25 in the flips' place (auto; --zoom 0 turns it off)"
-    if asked.copy_paste is None and not asked.bucket_by_size:
-        then += "; copy_paste 0.5 puts other images' objects among them (auto; --copy_paste 0: off)"
     return (
         f"note: classes {shown}{more} have shapes that a mirror changes, as digits and letters "
         f"do (their mean shape and its mirror image differ by {min(apart):.2f} to "

@@ -620,9 +620,10 @@ def camvid_two_processes(shapes, tmp_path_factory):
     """One 2-process `accelerate launch` of recipes/unet.py on `shapes` in CamVid's layout
     (tests/layouts.py: colour masks, class_dict.csv, Void along the top), read by the flags that
     its first error names with Void ignored by name; 2 DataLoader workers each, copy-paste,
-    crops, flips, zoom, rotation and colour jitter; 8 steps (4 an epoch) with checkpoints at steps 3 (mid-epoch
-    1), 4, 6 and 8. test_own_data.py checks its classes, names and colours, test_unet_training.py
-    resumes it from step 3. (root, the recipe and its settings, out, its Result)."""
+    crops, flips, zoom, rotation and colour jitter; 8 steps (4 an epoch) with checkpoints at
+    steps 3 (mid-epoch 1), 4, 6 and 8. test_own_data.py checks its classes, names and colours,
+    test_unet_training.py resumes it from step 3. (root, the recipe and its settings, out, its
+    Result)."""
 
     def make(folder):
         from layouts import camvid_layout, flags_of

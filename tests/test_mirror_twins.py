@@ -4,11 +4,13 @@ region is a right one. Classes that lie anywhere (shapes, digits) and classes in
 no twins. Classes whose shapes lean one way, as digits and letters do, are found too (their
 mean shape against its mirror image), and hflip auto is then 0, since a flip would teach shapes
 that the data never holds, and zoom auto 0.25 in the flips' place; shapes that come in both
-mirror images keep hflip auto at 0.5 and zoom auto at 0."""
+mirror images keep hflip auto at 0.5 and zoom auto at 0. copy_paste auto pastes objects on a
+background, and none in an atlas of twins."""
 
 import subprocess
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -50,7 +52,7 @@ def test_left_right_twins_are_found_and_hflip_auto_is_0(unet, tmp_path):
     # make_atlas.py gives a left region value 2k + 1 and its right twin 2k + 2; value v is class v
     assert data.values == list(range(21))
     assert data.twins == [(2 * k + 1, 2 * k + 2) for k in range(9)]
-    assert cfg.hflip == 0
+    assert cfg.hflip == 0 and cfg.copy_paste == 0  # each region where it belongs: none pasted
     note = unet.twins_note(data, None)
     assert note.startswith("note: classes 1/2, 3/4, 5/6, 7/8, 9/10, 11/12 ... (9 pairs) are")
     assert "hflip is 0 (auto" in note
@@ -65,6 +67,17 @@ def test_shapes_that_lie_anywhere_are_no_twins_and_hflip_auto_is_half(unet, tmp_
     cfg = unet.resolved(cfg, data, CPU)
     assert data.twins == [] and cfg.hflip == 0.5
     assert unet.twins_note(data, None) is None
+
+
+def test_copy_paste_auto_pastes_objects_on_a_background_and_not_a_scene_or_an_atlas(unet):
+    # Classes' training pixels, the background class 0: half or more of them, objects on it.
+    def auto(pixels, twins=()):
+        data = SimpleNamespace(class_pixels=pixels, background=0, twins=list(twins))
+        return unet.on_a_background(data)
+
+    assert auto([92, 4, 4]) and auto([50, 30, 20])  # digits on clutter; half exactly
+    assert not auto([35, 30, 20, 15])  # a street: the road the most, buildings, sky, cars
+    assert not auto([60, 20, 20], twins=[(1, 2)])  # an atlas: each region where it belongs
 
 
 # Letters drawn in masks as classes 1 to 4: L, F and P lean one way, T is its own mirror image.
@@ -122,16 +135,13 @@ def test_shapes_that_lean_one_way_are_found_and_hflip_auto_is_0_and_zoom_and_cop
     assert note.startswith("note: classes 1, 2, 3 have shapes that a mirror changes")
     assert note.endswith(
         "hflip is 0 (auto; --hflip 0.5 flips anyway), and zoom is 0.25 in the flips' place "
-        "(auto; --zoom 0 turns it off); copy_paste 0.5 puts other images' objects among them "
-        "(auto; --copy_paste 0: off)"
+        "(auto; --zoom 0 turns it off)"
     )
     bucketed = replace(cfg, bucket_by_size=True)  # images of their own sizes: none to paste
     assert unet.resolved(bucketed, data, CPU).copy_paste == 0
-    assert "copy_paste" not in unet.mirrored_note(data, bucketed)
     asked = replace(cfg, hflip=0.5, zoom=0.0, copy_paste=0.0)
     assert "leave hflip at auto" in unet.mirrored_note(data, asked)
     assert "zoom" not in unet.mirrored_note(data, asked)
-    assert "copy_paste" not in unet.mirrored_note(data, asked)
     settled = unet.resolved(asked, data, CPU)
     assert (settled.hflip, settled.zoom, settled.copy_paste) == (0.5, 0, 0)  # as asked
     assert unet.augmentation_note(settled) == "augmentation: hflip 0.5 (each off at 0)"
@@ -142,8 +152,11 @@ def test_shapes_in_both_mirror_images_keep_hflip_auto_at_half_and_zoom_off(unet,
     args = ["--images", letters / "imgs", "--masks", letters / "masks", "--output_dir", tmp_path]
     cfg, data = loaded(unet, args)
     settled = unet.resolved(cfg, data, CPU)
-    assert data.mirrored == [] and (settled.hflip, settled.zoom, settled.copy_paste) == (0.5, 0, 0)
-    assert unet.augmentation_note(settled) == "augmentation: hflip 0.5 (each off at 0)"
+    assert data.mirrored == [] and (settled.hflip, settled.zoom) == (0.5, 0)
+    assert settled.copy_paste == 0.5  # letters on a background: copy_paste auto is on
+    assert (
+        unet.augmentation_note(settled) == "augmentation: hflip 0.5, copy_paste 0.5 (each off at 0)"
+    )
     assert unet.mirrored_note(data, cfg) is None
 
 
