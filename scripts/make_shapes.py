@@ -39,11 +39,43 @@ import colorsys
 from pathlib import Path
 
 import numpy as np
-from make_digits import clutter_background, random_colour
-from PIL import Image
+from PIL import Image, ImageDraw
 
 MASK_VALUES = {"circle": 85, "rectangle": 170, "triangle": 255}
 HUES = {"circle": 0.0, "rectangle": 1 / 3, "triangle": 2 / 3}  # red, green, blue
+
+
+def random_colour(rng, away_from=None, distance=120):
+    """An RGB colour [3] of any hue, saturation and brightness; with `away_from`, at least
+    `distance` from that colour (Euclidean, 0..255 per channel), so that it stays visible."""
+    while True:
+        colour = 255 * np.array(colorsys.hsv_to_rgb(*rng.uniform((0, 0, 0.15), (1, 1, 1))))
+        if away_from is None or np.linalg.norm(colour - away_from) >= distance:
+            return colour
+
+
+def clutter_background(rng, size, count):
+    """A float RGB background [size, size, 3]: a linear gradient between two random colours in a
+    random direction, `count` strokes, rings and boxes in random colours, and noise."""
+    start, end = random_colour(rng), random_colour(rng)
+    angle = rng.uniform(0, 2 * np.pi)
+    yy, xx = np.mgrid[0:size, 0:size] / (size - 1)
+    t = (np.cos(angle) * xx + np.sin(angle) * yy + 1.5) / 3  # 1/6..5/6 across the image
+    image = Image.fromarray((start + (end - start) * t[..., None]).astype(np.uint8))
+    draw = ImageDraw.Draw(image)
+    for _ in range(count):  # clutter: background, though some of it looks like ink
+        fill = tuple(int(v) for v in random_colour(rng))
+        x0, y0, x1, y1 = rng.uniform(-0.1, 1.1, 4) * size
+        box = [min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1)]
+        width = int(rng.integers(2, 6))
+        kind = rng.integers(3)
+        if kind == 0:
+            draw.line([x0, y0, x1, y1], fill=fill, width=width)
+        elif kind == 1:
+            draw.ellipse(box, outline=fill, width=width)
+        else:
+            draw.rectangle(box, outline=fill, width=width)
+    return np.asarray(image, float) + rng.normal(0, 15, (size, size, 3))
 
 
 def shape_pixels(kind, height, width, rng):
