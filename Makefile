@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 DEMO_OUT ?= runs/mnist-demo
 UNET_DEMO_OUT ?= runs/unet-demo
 
-.PHONY: help venv demo demo-unet demo-text demo-sweep demo-ddp lint format test test-full stress gpu-check clean
+.PHONY: help venv demo demo-unet demo-text demo-sweep demo-ddp copy lint format test test-full stress gpu-check clean
 
 help:  ## list the targets
 	@grep -E '^[a-z_/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
@@ -84,6 +84,11 @@ demo-ddp: $(BIN)/.installed  ## the MNIST demo with 2 processes (2 GPUs, or 2 CP
 	rm -rf $(DEMO_OUT)-ddp
 	$(BIN)/accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py \
 		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)-ddp
+
+# A project of its own outside the repository: the recipe's files as NAME, the common/ modules
+# they import, the configs, a README, Makefile and tests (scripts/copy_recipe.py).
+copy: $(BIN)/.installed  ## take a recipe away: make copy RECIPE=unet DEST=../my-seg NAME=my_seg
+	$(BIN)/python scripts/copy_recipe.py $(RECIPE) $(DEST) $(if $(NAME),--name $(NAME))
 
 lint: $(BIN)/.installed  ## ruff: the formatting and lint checks that CI runs (pyproject.toml)
 	$(BIN)/ruff format --check .
