@@ -8,8 +8,9 @@
 The accelerate config picks CPU, GPUs and fp16/bf16. Settings: the Config fields below (the
 model's in unet_model.py) and common.config's RunConfig, by `--config run.yaml` and `--field
 value`. This file trains; predict, export and the data check are unet_predict.py's, which it
-never imports. Copy these files to start your own recipe; `# ADAPT:` marks what to change: here,
-in unet_data.py (the data) and in unet_model.py (the model).
+never imports; what the settings and the data decide (checks, auto rules, start-up notes) is
+unet_rules.py's. Copy these files to start your own recipe (`make copy RECIPE=unet ...`);
+`# ADAPT:` marks what to change: here, in unet_data.py (the data) and unet_model.py (the model).
 """
 
 import sys
@@ -41,7 +42,7 @@ from common.checkpoint import (
     save_training,
     save_weights,
 )
-from common.config import RunConfig, UserError, require, require_at_least
+from common.config import RunConfig, require
 from common.data import colour_jitter, crop_and_flip, zoom_and_rotate
 from common.determinism import set_deterministic
 from common.ema import EMA
@@ -59,7 +60,6 @@ from common.segmentation_data import (
     FirstPairs,
     load_segmentation,
     read_weights_record,
-    show_value,
     value_count,
     weights_record,
 )
@@ -79,6 +79,16 @@ from unet_model import (  # ADAPT: your model
     build_model,
     input_channels,
     prepare_input,
+)
+from unet_rules import (  # what the settings and the data decide
+    OVERFIT,
+    check_settings,
+    class_weights,
+    flips_to_average,
+    image_size,
+    overfit_verdict,
+    resolved,
+    start_up_notes,
 )
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
@@ -156,98 +166,12 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
 
     def validate(self):
         super().validate()
-        require_at_least(self, 0, "weight_decay", "grad_clip", "max_batch_pixels", "dice_weight")
         require(
             self.scheduler in SCHEDULERS,
             f"scheduler must be {', '.join(SCHEDULERS)}, got {self.scheduler!r}",
         )
-        require(
-            (self.hflip is None or 0 <= self.hflip <= 1) and 0 <= self.vflip <= 1,
-            "hflip and vflip are probabilities",
-        )
-        require(
-            (self.zoom is None or self.zoom >= 0)
-            and 0 <= self.rotate <= 180
-            and 0 <= self.jitter < 1,
-            f"zoom must be 0 or more (0.25: 0.8 to 1.25 times), rotate 0 to 180 degrees and "
-            f"jitter 0 to below 1; got {self.zoom}, {self.rotate} and {self.jitter}",
-        )
-        require(
-            self.copy_paste is None or 0 <= self.copy_paste <= 1,
-            f"copy_paste is the share of training images that get another's objects, 0 to 1; got "
-            f"{self.copy_paste}",
-        )
-        require(
-            not (self.bucket_by_size and self.copy_paste),
-            "copy_paste pastes between images of one size: set --image_size, not bucket_by_size "
-            "(or --copy_paste 0)",
-        )
-        require(
-            self.fill in ("reflect", "zeros"),
-            f"fill must be reflect (the image mirrored past its edges) or zeros, got {self.fill!r}",
-        )
-        size = image_size(self)
-        require(
-            self.crop_size == 0 or self.crop_size >= MIN_SIZE,
-            f"crop_size must be 0 or at least {MIN_SIZE}: the U-Net halves the image 4 times",
-        )
-        require(
-            not size or self.crop_size <= min(size), "crop_size cannot exceed image_size's sides"
-        )
-        require(self.scale >= 0, f"scale must be above 0 (or 0: no resize), got {self.scale}")
-        require(not (size and self.scale), "choose one of image_size and scale")
-        require(
-            not self.bucket_by_size or not (size or self.crop_size),
-            "bucket_by_size trains on the images' own sizes: leave image_size, crop_size at 0",
-        )
-        require(
-            not (self.global_batch_size and self.max_batch_pixels),
-            "global_batch_size counts images, max_batch_pixels pixels: set one (batch_size caps "
-            "the images of a process's batch)",
-        )
+        check_settings(self, min_size=MIN_SIZE, multiple=PAD_MULTIPLE)  # unet_rules.py
         check_data_settings(self)  # unet_data.py
-        require(
-            self.best_metric in ("miou", "dice"),
-            f"best_metric must be miou or dice, got {self.best_metric!r}",
-        )
-        require(self.focal_gamma >= 0, f"focal_gamma must be 0 or more, got {self.focal_gamma}")
-        if self.class_weights and self.class_weights != "auto":
-            listed_weights(self.class_weights)
-        require(
-            not self.predict_flip
-            or self.eval_only
-            or self.predict
-            or self.hflip != 0
-            or self.vflip,
-            "predict_flip averages over the flips of training: set hflip or vflip above 0",
-        )
-        tile = self.predict_tile
-        require(
-            tile == 0 or (tile >= MIN_SIZE and tile % PAD_MULTIPLE == 0),
-            f"predict_tile must be 0 or a multiple of {PAD_MULTIPLE} from {MIN_SIZE} up (the "
-            f"U-Net halves a tile 4 times), got {tile}",
-        )
-        require(
-            self.predict or not str(self.weights).endswith(".onnx"),
-            "an .onnx file only predicts: train or evaluate from the .safetensors it was made from",
-        )
-
-
-def image_size(cfg):
-    """image_size as (height, width): "512" is (512, 512), "640x960" (640, 960); None if empty."""
-    text = str(cfg.image_size).strip().lower()
-    if text in ("", "0"):
-        return None
-    try:
-        height, width = (int(v) for v in text.split("x")) if "x" in text else (int(text),) * 2
-    except ValueError:
-        height = width = 0
-    require(
-        min(height, width) >= MIN_SIZE,
-        f"image_size must be SIZE or HxW (height x width), each at least {MIN_SIZE} (the U-Net "
-        f"halves the image 4 times), like 512 or 640x960; got {cfg.image_size!r}",
-    )
-    return height, width
 
 
 def read_trained(path):
@@ -270,22 +194,6 @@ def augment(images, masks, rand, cfg):
         images, masks, rand[:, 4:8], zoom=cfg.zoom, rotate=cfg.rotate, fill=cfg.fill
     )
     return colour_jitter(images, rand[:, 8:11], cfg.jitter), masks
-
-
-# overfit_batches: what augment() reads, each at its value that turns it off, the lr held
-# constant (a schedule fitted to a short run lowers it before the batches are learned), and the
-# model's dropout off (unet_model.py; a model of your own may have none).
-OVERFIT = {
-    "crop_size": 0,
-    "hflip": 0.0,
-    "vflip": 0.0,
-    "zoom": 0.0,
-    "rotate": 0.0,
-    "jitter": 0.0,
-    "copy_paste": 0.0,
-    "scheduler": "constant",
-    "dropout": 0.0,
-}
 
 
 # ADAPT: your loss. Ignored pixels (IGNORE: ignore_index, and the padding of bucket_by_size) must
@@ -354,42 +262,6 @@ def soft_dice_sums(probs, target, valid):
     true = probs.new_zeros(n, c).scatter_add_(1, labels, valid)
     predicted = torch.bmm(probs.reshape(n, c, -1), valid[:, :, None])[..., 0]
     return inter, predicted + true, true
-
-
-def listed_weights(text):
-    """--class_weights 0.2,1,1 as [0.2, 1.0, 1.0], or a ConfigError."""
-    try:
-        weights = [float(w) for w in text.split(",")]
-    except ValueError:
-        weights = []
-    require(
-        weights and min(weights) >= 0 and max(weights) > 0,
-        f"class_weights must be auto or a non-negative weight per class, like 0.2,1,1; got "
-        f"{text!r}",
-    )
-    return weights
-
-
-def class_weights(cfg, class_pixels, device):
-    """The cross-entropy's weight per class as a tensor on `device`, or None: --class_weights as
-    listed, or
-    auto: ENet's 1 / ln(1.02 + share) of each class's share of the training pixels (a rare class
-    weighs up to 50 times a common one, not the thousands that 1 / share can reach), scaled so
-    that the average training pixel weighs 1, as without weights."""
-    if not cfg.class_weights:
-        return None
-    count = value_count(cfg.num_classes)
-    if cfg.class_weights != "auto":
-        weights = listed_weights(cfg.class_weights)
-        if len(weights) != count:
-            raise UserError(
-                f"class_weights lists {len(weights)} weights for {count} classes: give one per "
-                f"class, or auto"
-            )
-        return torch.tensor(weights, device=device)
-    share = torch.tensor(class_pixels, dtype=torch.float64) / max(sum(class_pixels), 1)
-    weights = 1 / torch.log(1.02 + share)
-    return (weights / (weights * share).sum()).float().to(device)
 
 
 # ADAPT: your metric. Per image, the mean Dice of hard predictions over the classes but the
@@ -508,323 +380,6 @@ def first_panel(model, loader, accelerator, cfg, *, flips, colours):
 def scalars(result):
     """The numbers of an evaluation result for a tracker: the per-class ones stay out."""
     return {k: v for k, v in result.items() if not isinstance(v, dict)}
-
-
-# ---- What main() sets up: the data, the optimizer, checkpoints and the start-up notes ----
-
-
-def load_data(cfg, accelerator, trained=None):
-    """The loaders, and what the data decides (classes, input size, channels): unet_data.py lists
-    and reads the pairs, common/segmentation_data.py does the rest (the scan of every mask on
-    all processes, decoding, augmentation's random numbers, bucketing). trained: the record of
-    --weights, whose classes are the classes."""
-    listed = from_main_process(accelerator, lambda: list_pairs(cfg))  # paired once per job
-    train_pairs, val_pairs = (Pairs(split) for split in listed)
-    if cfg.overfit_batches:  # can the model learn a few batches? Trained and evaluated on alike
-        first = cfg.overfit_samples(accelerator.num_processes)
-        train_pairs = val_pairs = FirstPairs(train_pairs, first)
-    return load_segmentation(
-        train_pairs,
-        val_pairs,
-        accelerator=accelerator,
-        classes=mask_classes(cfg, trained),
-        fixed="--mask_values" if cfg.mask_values else cfg.weights if trained else "",
-        num_classes=cfg.num_classes,
-        in_channels=input_channels(cfg),
-        image_size=image_size(cfg),
-        scale=cfg.scale,
-        bucket_by_size=cfg.bucket_by_size,
-        max_batch_pixels=cfg.max_batch_pixels,
-        cache_images=cfg.cache_images,
-        cache_decoded=cfg.cache_decoded,
-        batch_size=cfg.batch_size,
-        eval_batch_size=cfg.eval_batch_size,
-        seed=cfg.seed,
-        num_workers=cfg.num_workers,
-        crop_size=cfg.crop_size,
-        pad_multiple=PAD_MULTIPLE,
-        min_size=max(MIN_SIZE, cfg.crop_size),
-        background=cfg.background,
-        global_batch=cfg.global_batch_size,
-    )
-
-
-def resolved(cfg, data, device):
-    """cfg with what the data and the device decide. The data (load_data)
-    decides num_classes, in_channels, max_batch_pixels, cache_images and eval_batch_size (0: by
-    pixels), hflip auto: 0 where classes are mirror twins (left/right) or shapes that a mirror
-    changes (digits, letters), else 0.5, and zoom auto: 0.25 for such shapes, which it leaves
-    alike (a zoomed digit is the same digit), in the flips' place, else 0; copy_paste auto:
-    0.5 for objects on a background (on_a_background), else 0, and 0 with bucket_by_size (the
-    images differ in size); channels_last auto is on with CUDA, off on CPUs
-    (docs/performance.md)."""
-    auto = cfg.channels_last is None
-    cfg = replace(
-        cfg,
-        hflip=(0.0 if data.twins or data.mirrored else 0.5) if cfg.hflip is None else cfg.hflip,
-        zoom=(0.25 if data.mirrored else 0.0) if cfg.zoom is None else cfg.zoom,
-        copy_paste=(
-            (0.5 if on_a_background(data) and not cfg.bucket_by_size else 0.0)
-            if cfg.copy_paste is None
-            else cfg.copy_paste
-        ),
-        num_classes=data.num_classes,
-        in_channels=data.in_channels,
-        max_batch_pixels=data.max_batch_pixels,
-        cache_images=data.cached,
-        eval_batch_size=data.eval_batch_size,
-        channels_last=device.type == "cuda" if auto else cfg.channels_last,
-    )
-    return cfg
-
-
-def on_a_background(data):
-    """copy_paste auto's test: the classes are objects on a background, which holds half the
-    training pixels or more (digits, VOC's objects, Carvana's cars: another image's objects can
-    lie on it), with no mirror twins (an atlas's regions, each where it belongs). Where the
-    class of the most pixels holds less (a street's road, among buildings, sky and cars), the
-    other classes fill most of an image, and pasting them would replace it."""
-    pixels = data.class_pixels
-    return not data.twins and 2 * pixels[data.background] >= sum(pixels)
-
-
-def settle(cfg, accelerator):
-    """(cfg, data, trained): the settings this run trains with, settled here once, as main()
-    trains and scripts/bench.py measures them (so that the two cannot drift apart), and the data
-    they read. In order: this process count's share of global_batch_size (batch_size and
-    accumulation steps), the model settings of --weights (trained: its record, or None), no
-    augmentation and a constant lr for overfit_batches, then the data (load_data) and what it
-    decides (resolved)."""
-    cfg = cfg.split_global_batch(accelerator.num_processes)
-    trained = read_trained(cfg.weights)  # --weights: its classes and model settings
-    if trained:
-        cfg = fit_to_record(
-            cfg, trained["model"], MODEL_SETTINGS, path=cfg.weights, inferred=INFERRED
-        )
-    if cfg.overfit_batches:  # the first batches as they are, at a constant lr
-        cfg = replace(cfg, **{k: v for k, v in OVERFIT.items() if hasattr(cfg, k)})
-    data = load_data(cfg, accelerator, trained)
-    cfg = resolved(cfg, data, accelerator.device)
-    # Copy-paste: the dataset pastes the objects (every pixel not background) of another training
-    # image, picked per sample, onto this share of them as it reads them (common/data.py's
-    # copy_paste(), the same on any number of processes).
-    data.train_loader.dataset.paste = (cfg.copy_paste, data.background)
-    return cfg, data, trained
-
-
-SCHEDULERS = {  # the cosines' length is set by fit_schedule(), at the start and on a resume
-    "cosine": lambda optimizer: CosineAnnealingLR(optimizer, T_max=1),
-    "hold_cosine": lambda optimizer: HeldCosine(optimizer, hold=0.7),
-    "plateau": lambda optimizer: ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5),
-    "constant": lambda optimizer: ConstantLR(optimizer, factor=1.0, total_iters=0),
-}
-PER_STEP = ("cosine", "hold_cosine")  # stepped every optimizer step; plateau at every evaluation
-
-
-def make_optimizer(model, lr, cfg, accelerator):
-    """AdamW with fused kernels where they work: one update for all the weights (fused_kernels)."""
-    return torch.optim.AdamW(
-        model.parameters(),
-        lr=lr,
-        weight_decay=cfg.weight_decay,
-        fused=fused_kernels(accelerator),
-    )
-
-
-def flips_to_average(cfg, trained):
-    """predict_flip: the flips of training ("h", "v", both) that segment() averages over; else
-    none. `trained`: those of this run's settings, or of the weights file it evaluates."""
-    if not cfg.predict_flip:
-        return ""
-    if not trained:
-        raise UserError(
-            "predict_flip averages over the flips of training, and this model was trained with "
-            "none (hflip and vflip 0): leave predict_flip off"
-        )
-    return trained
-
-
-# The settings that fix each process's batches: a mid-epoch checkpoint resumes only with these.
-DATA_ORDER = (
-    "dataset",
-    "images",
-    "val_images",
-    "train_list",
-    "val_list",
-    "train_split",
-    "val_fraction",
-    "seed",
-    "batch_size",
-    "gradient_accumulation_steps",
-    "global_batch_size",
-    "bucket_by_size",
-    "max_batch_pixels",
-    "scale",
-    "overfit_batches",
-)
-
-
-def save(accelerator, cfg, *, progress, scheduler, classes):
-    """A checkpoint: Accelerate's state, the position in the data, the LR schedule, DATA_ORDER,
-    and the classes' mask values and those ignored, which a resume needs the same."""
-    save_training(
-        accelerator,
-        cfg,
-        progress=progress,
-        scheduler=scheduler,
-        recipe=NAME,
-        data_order=DATA_ORDER,
-        **same_classes(classes),
-    )
-
-
-def same_classes(classes):
-    """What a checkpoint records of the classes, by the names of their settings."""
-    return {
-        "mask_values": list(classes.values),
-        "ignore_index": list(classes.ignored),
-        "ignore_unlisted": classes.unlisted_ignored,
-    }
-
-
-DOMINANT = 0.9  # the share of pixels above which one class is said to dominate
-RARE_CLASSES = "recipes/configs/rare_classes.yaml"  # the settings that learned rare classes
-
-
-def imbalance_note(cfg, data):
-    """A start-up line when one class holds most of the training pixels and neither class_weights
-    nor focal_gamma is set: the model may then learn that class alone, which Dice hides, and a
-    class of a few pixels may never be learned, even on one batch. It names the settings that
-    learned such classes (docs/unet.md, "Learning your classes"), for a run that ends so: on
-    classes told apart by shape, runs stay close to the background alone for their first epochs
-    and then learn, and the class weights cost mIoU there (docs/learning.md)."""
-    pixels = data.class_pixels
-    top = max(range(len(pixels)), key=pixels.__getitem__)
-    share = pixels[top] / max(sum(pixels), 1)
-    if share <= DOMINANT or cfg.class_weights or cfg.focal_gamma:
-        return None
-    value = show_value(data.values[top], data.classes.colour)
-    name = f"{data.names[top]}, " if data.classes.names else ""
-    present = sum(p > 0 for p in pixels)  # a class in no mask is left out of miou's mean
-    return (
-        f"note: class {top} ({name}mask value {value}) holds {share:.0%} of the training pixels: "
-        f"if a run ends with the model predicting it alone (its IoU near {share:.2f}, the other "
-        f"classes' 0: miou near {share / present:.2f}), set --class_weights auto, or --config "
-        f"{RARE_CLASSES}; --overfit_batches 1 checks that it can learn one batch"
-    )
-
-
-OVERFIT_IOU = 0.8  # overfit_batches: a class of the batches is learned at this IoU or more
-
-
-def overfit_verdict(result):
-    """The last line of an overfit_batches run: whether every class of the batches it trained and
-    evaluated on reached OVERFIT_IOU, and which did not."""
-    iou = {name: v for name, v in result["iou_per_class"].items() if v is not None}
-    low = {name: v for name, v in iou.items() if v < OVERFIT_IOU}
-    if not low:
-        return (
-            f"overfit check passed: every class of these batches at IoU {OVERFIT_IOU} or more "
-            f"(lowest {min(iou.values()):.2f})"
-        )
-    shown = ", ".join(f"{name} {v:.2f}" for name, v in sorted(low.items(), key=lambda x: x[1]))
-    return (
-        f"overfit check failed: {len(low)} of {len(iou)} classes below IoU {OVERFIT_IOU} "
-        f"({shown}): train longer (--epochs) or at a higher --lr, then see docs/unet.md, "
-        f"Learning your classes"
-    )
-
-
-def start_up_notes(cfg, data, asked):
-    """The lines under the start-up line (and the data check's): what augmentation runs, what
-    dice averages, what the data suggests (a void label, mirror twins), a dominant class. asked:
-    the settings as given, whose auto the notes explain."""
-    notes = [augmentation_note(cfg), dice_note(cfg, data), *data.notes]
-    notes += [twins_note(data, asked.hflip), mirrored_note(data, asked)]
-    notes += [imbalance_note(cfg, data)]
-    return [note for note in notes if note]
-
-
-def twins_note(data, hflip):
-    """A start-up line when classes are mirror twins (a left region and its right one: the data's
-    twins); hflip: the setting as given (None: auto, which is 0 when there are twins)."""
-    if not data.twins:
-        return None
-    twins, labels = data.twins, data.names
-    shown = ", ".join(f"{labels[i]}/{labels[j]}" for i, j in twins[:6])
-    more = f" ... ({len(twins)} pairs)" if len(twins) > 6 else ""
-    then = (
-        "hflip is 0 (auto; --hflip 0.5 flips anyway)"
-        if hflip is None
-        else f"--hflip {hflip:g} turns one into the other in training: leave hflip at auto"
-        if hflip
-        else "hflip 0 keeps them apart"
-    )
-    return (
-        f"note: classes {shown}{more} are mirror twins, each where the other's mirror image is "
-        f"(left and right): {then}"
-    )
-
-
-def mirrored_note(data, asked):
-    """A start-up line when the classes' shapes are ones that a mirror changes, as digits' and
-    letters' are (the data's mirrored, mirror_shapes). asked: the settings as given, whose hflip
-    and zoom auto (None) are then 0 and 0.25."""
-    if not data.mirrored:
-        return None
-    labels, apart, hflip = data.names, [d for _, d in data.mirrored], asked.hflip
-    shown = ", ".join(labels[i] for i, _ in data.mirrored[:8])
-    more = f" ... ({len(data.mirrored)} classes)" if len(data.mirrored) > 8 else ""
-    then = (
-        "hflip is 0 (auto; --hflip 0.5 flips anyway)"
-        if hflip is None
-        else f"--hflip {hflip:g} trains on mirror images that these classes do not come in: "
-        f"leave hflip at auto"
-        if hflip
-        else "hflip 0 keeps them as they come"
-    )
-    if asked.zoom is None:
-        then += ", and zoom is 0.25 in the flips' place (auto; --zoom 0 turns it off)"
-    return (
-        f"note: classes {shown}{more} have shapes that a mirror changes, as digits and letters "
-        f"do (their mean shape and its mirror image differ by {min(apart):.2f} to "
-        f"{max(apart):.2f} of its area): {then}"
-    )
-
-
-# augmentation_note: what each fill puts past the image's edges where zoom or rotate move it.
-FILLS = {"reflect": "mirrored (--fill zeros: black)", "zeros": "black (--fill reflect: mirrored)"}
-
-
-def augmentation_note(cfg):
-    """The start-up line that says what augmentation training runs (augment()), each setting at
-    its value: 0 turns it off."""
-    running = [
-        f"{name} {getattr(cfg, name):g}"
-        for name in ("hflip", "vflip", "zoom", "rotate", "jitter", "crop_size", "copy_paste")
-        if getattr(cfg, name)
-    ]
-    if not running:
-        return (
-            "augmentation: none (hflip, vflip, zoom, rotate, jitter, crop_size and copy_paste "
-            "all 0)"
-        )
-    note = f"augmentation: {', '.join(running)} (each off at 0)"
-    if cfg.zoom or cfg.rotate:
-        note += f"; past the image's edges: {FILLS[cfg.fill]}"
-    return note
-
-
-def dice_note(cfg, data):
-    """The start-up line that says which classes `dice` averages: all but the background, the
-    class of the most training pixels unless --background names one."""
-    covered = [data.names[c] for c in dice_classes(cfg.num_classes, data.background)]
-    why = "as --background says" if cfg.background else "the most pixels; --background changes it"
-    more = f" ... ({len(covered)} in all)" if len(covered) > 12 else ""
-    return (
-        f"dice: per image, the mean over those of classes {', '.join(covered[:12])}{more} in "
-        f"its mask or prediction; background: {data.names[data.background]} ({why})"
-    )
 
 
 def main(cfg):
@@ -983,6 +538,133 @@ def main(cfg):
     # 7. Exit cleanly: drop what holds the process group, then close it.
     del model, optimizer, scheduler, train_loader, val_loader, data, ema
     close(accelerator)
+
+
+# ---- What main() sets up: the data, the optimizer and checkpoints ----
+
+
+def load_data(cfg, accelerator, trained=None):
+    """The loaders, and what the data decides (classes, input size, channels): unet_data.py lists
+    and reads the pairs, common/segmentation_data.py does the rest (the scan of every mask on
+    all processes, decoding, augmentation's random numbers, bucketing). trained: the record of
+    --weights, whose classes are the classes."""
+    listed = from_main_process(accelerator, lambda: list_pairs(cfg))  # paired once per job
+    train_pairs, val_pairs = (Pairs(split) for split in listed)
+    if cfg.overfit_batches:  # can the model learn a few batches? Trained and evaluated on alike
+        first = cfg.overfit_samples(accelerator.num_processes)
+        train_pairs = val_pairs = FirstPairs(train_pairs, first)
+    return load_segmentation(
+        train_pairs,
+        val_pairs,
+        accelerator=accelerator,
+        classes=mask_classes(cfg, trained),
+        fixed="--mask_values" if cfg.mask_values else cfg.weights if trained else "",
+        num_classes=cfg.num_classes,
+        in_channels=input_channels(cfg),
+        image_size=image_size(cfg, MIN_SIZE),
+        scale=cfg.scale,
+        bucket_by_size=cfg.bucket_by_size,
+        max_batch_pixels=cfg.max_batch_pixels,
+        cache_images=cfg.cache_images,
+        cache_decoded=cfg.cache_decoded,
+        batch_size=cfg.batch_size,
+        eval_batch_size=cfg.eval_batch_size,
+        seed=cfg.seed,
+        num_workers=cfg.num_workers,
+        crop_size=cfg.crop_size,
+        pad_multiple=PAD_MULTIPLE,
+        min_size=max(MIN_SIZE, cfg.crop_size),
+        background=cfg.background,
+        global_batch=cfg.global_batch_size,
+    )
+
+
+def settle(cfg, accelerator):
+    """(cfg, data, trained): the settings this run trains with, settled here once, as main()
+    trains and scripts/bench.py measures them (so that the two cannot drift apart), and the data
+    they read. In order: this process count's share of global_batch_size (batch_size and
+    accumulation steps), the model settings of --weights (trained: its record, or None), no
+    augmentation and a constant lr for overfit_batches, then the data (load_data) and what it
+    decides (resolved)."""
+    cfg = cfg.split_global_batch(accelerator.num_processes)
+    trained = read_trained(cfg.weights)  # --weights: its classes and model settings
+    if trained:
+        cfg = fit_to_record(
+            cfg, trained["model"], MODEL_SETTINGS, path=cfg.weights, inferred=INFERRED
+        )
+    if cfg.overfit_batches:  # the first batches as they are, at a constant lr
+        cfg = replace(cfg, **{k: v for k, v in OVERFIT.items() if hasattr(cfg, k)})
+    data = load_data(cfg, accelerator, trained)
+    cfg = resolved(cfg, data, accelerator.device)
+    # Copy-paste: the dataset pastes the objects (every pixel not background) of another training
+    # image, picked per sample, onto this share of them as it reads them (common/data.py's
+    # copy_paste(), the same on any number of processes).
+    data.train_loader.dataset.paste = (cfg.copy_paste, data.background)
+    return cfg, data, trained
+
+
+SCHEDULERS = {  # the cosines' length is set by fit_schedule(), at the start and on a resume
+    "cosine": lambda optimizer: CosineAnnealingLR(optimizer, T_max=1),
+    "hold_cosine": lambda optimizer: HeldCosine(optimizer, hold=0.7),
+    "plateau": lambda optimizer: ReduceLROnPlateau(optimizer, "max", factor=0.1, patience=5),
+    "constant": lambda optimizer: ConstantLR(optimizer, factor=1.0, total_iters=0),
+}
+
+
+PER_STEP = ("cosine", "hold_cosine")  # stepped every optimizer step; plateau at every evaluation
+
+
+def make_optimizer(model, lr, cfg, accelerator):
+    """AdamW with fused kernels where they work: one update for all the weights (fused_kernels)."""
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=lr,
+        weight_decay=cfg.weight_decay,
+        fused=fused_kernels(accelerator),
+    )
+
+
+# The settings that fix each process's batches: a mid-epoch checkpoint resumes only with these.
+DATA_ORDER = (
+    "dataset",
+    "images",
+    "val_images",
+    "train_list",
+    "val_list",
+    "train_split",
+    "val_fraction",
+    "seed",
+    "batch_size",
+    "gradient_accumulation_steps",
+    "global_batch_size",
+    "bucket_by_size",
+    "max_batch_pixels",
+    "scale",
+    "overfit_batches",
+)
+
+
+def save(accelerator, cfg, *, progress, scheduler, classes):
+    """A checkpoint: Accelerate's state, the position in the data, the LR schedule, DATA_ORDER,
+    and the classes' mask values and those ignored, which a resume needs the same."""
+    save_training(
+        accelerator,
+        cfg,
+        progress=progress,
+        scheduler=scheduler,
+        recipe=NAME,
+        data_order=DATA_ORDER,
+        **same_classes(classes),
+    )
+
+
+def same_classes(classes):
+    """What a checkpoint records of the classes, by the names of their settings."""
+    return {
+        "mask_values": list(classes.values),
+        "ignore_index": list(classes.ignored),
+        "ignore_unlisted": classes.unlisted_ignored,
+    }
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
     python scripts/copy_recipe.py unet ../my-seg --name my_seg     # or: make copy RECIPE=unet ...
 
 DEST gets the recipe's files renamed to NAME (NAME.py, NAME_predict.py, and for the U-Net and the
-text recipe NAME_data.py and NAME_model.py), the modules of common/ that they import and no
-others, the accelerate configs, the recipe's presets in configs/, the requirements, and a README,
-Makefile and tests of its own (scripts/take_away/). Nothing in DEST refers back here: in DEST,
-`make train` trains it on its default data and `make test` (or `python -m pytest`) runs its tests.
+text recipe NAME_data.py and NAME_model.py, for the U-Net NAME_rules.py too), the modules of
+common/ that they import and no others, the accelerate configs, the recipe's presets in configs/,
+the requirements, and a README, Makefile and tests of its own (scripts/take_away/). Nothing in
+DEST refers back here: in DEST, `make train` trains it on its default data and `make test` (or
+`python -m pytest`) runs its tests.
 
 Plain file copies and a few renames, as torchtune's `tune cp` copies a recipe: a template engine
 (cookiecutter, copier) would add a dependency and a second language for the same few lines.
@@ -45,7 +46,7 @@ RECIPES = {
         "note": "train on data/mnist_sample, 5,000 real MNIST digits that ship with it",
     },
     "unet": {
-        "files": ["unet", "unet_predict", "unet_data", "unet_model"],
+        "files": ["unet", "unet_predict", "unet_data", "unet_model", "unet_rules"],
         "presets": ["cityscapes.yaml", "voc.yaml", "rare_classes.yaml"],
         "data": {"scripts/make_shapes.py": "make_shapes.py"},
         "make": ("data/shapes", "--base_channels 16 --lr 3e-3 --epochs 6", SHAPES_RULE),
@@ -65,6 +66,7 @@ PARTS = {
     "_predict": "predict, ONNX export and the data check, with the training file's model",
     "_data": "the data: which files make each split, and how one is read",
     "_model": "the model and its settings",
+    "_rules": "what the settings and the data decide: checks, auto rules, start-up notes",
 }
 
 

@@ -17,6 +17,7 @@ import torch
 from conftest import REPO, make_shapes
 from PIL import Image
 
+import unet_rules
 from common.accelerator import build_accelerator
 from common.config import parse_config
 from common.segmentation_data import SHAPE_GRID, shape_sums
@@ -48,32 +49,32 @@ def test_left_right_twins_are_found_and_hflip_auto_is_0(unet, tmp_path):
     atlas = make_atlas(tmp_path / "atlas", 40, 20)  # 9 left/right pairs, 2 regions on the midline
     args = ["--images", atlas / "imgs", "--masks", atlas / "masks", "--output_dir", tmp_path]
     cfg, data = loaded(unet, args)
-    cfg = unet.resolved(cfg, data, CPU)
+    cfg = unet_rules.resolved(cfg, data, CPU)
     # make_atlas.py gives a left region value 2k + 1 and its right twin 2k + 2; value v is class v
     assert data.values == list(range(21))
     assert data.twins == [(2 * k + 1, 2 * k + 2) for k in range(9)]
     assert cfg.hflip == 0 and cfg.copy_paste == 0  # each region where it belongs: none pasted
-    note = unet.twins_note(data, None)
+    note = unet_rules.twins_note(data, None)
     assert note.startswith("note: classes 1/2, 3/4, 5/6, 7/8, 9/10, 11/12 ... (9 pairs) are")
     assert "hflip is 0 (auto" in note
-    asked = unet.resolved(replace(cfg, hflip=0.5), data, CPU)
+    asked = unet_rules.resolved(replace(cfg, hflip=0.5), data, CPU)
     assert asked.hflip == 0.5  # as asked: the note says what it does
-    assert "--hflip 0.5 turns one into the other" in unet.twins_note(data, 0.5)
+    assert "--hflip 0.5 turns one into the other" in unet_rules.twins_note(data, 0.5)
 
 
 def test_shapes_that_lie_anywhere_are_no_twins_and_hflip_auto_is_half(unet, tmp_path):
     shapes = make_shapes(tmp_path / "shapes", 60, 48, "--colours", "random", "--clutter", "2")
     cfg, data = loaded(unet, ["--dataset", shapes, "--output_dir", tmp_path])
-    cfg = unet.resolved(cfg, data, CPU)
+    cfg = unet_rules.resolved(cfg, data, CPU)
     assert data.twins == [] and cfg.hflip == 0.5
-    assert unet.twins_note(data, None) is None
+    assert unet_rules.twins_note(data, None) is None
 
 
 def test_copy_paste_auto_pastes_objects_on_a_background_and_not_a_scene_or_an_atlas(unet):
     # Classes' training pixels, the background class 0: half or more of them, objects on it.
     def auto(pixels, twins=()):
         data = SimpleNamespace(class_pixels=pixels, background=0, twins=list(twins))
-        return unet.on_a_background(data)
+        return unet_rules.on_a_background(data)
 
     assert auto([92, 4, 4]) and auto([50, 30, 20])  # digits on clutter; half exactly
     assert not auto([35, 30, 20, 15])  # a street: the road the most, buildings, sky, cars
@@ -122,42 +123,43 @@ def test_shapes_that_lean_one_way_are_found_and_hflip_auto_is_0_and_zoom_and_cop
     assert data.values == [0, 1, 2, 3, 4] and data.twins == []
     assert [i for i, _ in data.mirrored] == [1, 2, 3]  # L, F and P; T is its own mirror image
     assert all(difference >= 0.15 for _, difference in data.mirrored)
-    settled = unet.resolved(cfg, data, CPU)
+    settled = unet_rules.resolved(cfg, data, CPU)
     assert (settled.hflip, settled.zoom, settled.copy_paste) == (0, 0.25, 0.5)
-    assert unet.augmentation_note(settled) == (
+    assert unet_rules.augmentation_note(settled) == (
         "augmentation: zoom 0.25, copy_paste 0.5 (each off at 0); past the image's edges: "
         "mirrored (--fill zeros: black)"
     )
-    assert unet.augmentation_note(replace(settled, fill="zeros")).endswith(
+    assert unet_rules.augmentation_note(replace(settled, fill="zeros")).endswith(
         "edges: black (--fill reflect: mirrored)"
     )
-    note = unet.mirrored_note(data, cfg)
+    note = unet_rules.mirrored_note(data, cfg)
     assert note.startswith("note: classes 1, 2, 3 have shapes that a mirror changes")
     assert note.endswith(
         "hflip is 0 (auto; --hflip 0.5 flips anyway), and zoom is 0.25 in the flips' place "
         "(auto; --zoom 0 turns it off)"
     )
     bucketed = replace(cfg, bucket_by_size=True)  # images of their own sizes: none to paste
-    assert unet.resolved(bucketed, data, CPU).copy_paste == 0
+    assert unet_rules.resolved(bucketed, data, CPU).copy_paste == 0
     asked = replace(cfg, hflip=0.5, zoom=0.0, copy_paste=0.0)
-    assert "leave hflip at auto" in unet.mirrored_note(data, asked)
-    assert "zoom" not in unet.mirrored_note(data, asked)
-    settled = unet.resolved(asked, data, CPU)
+    assert "leave hflip at auto" in unet_rules.mirrored_note(data, asked)
+    assert "zoom" not in unet_rules.mirrored_note(data, asked)
+    settled = unet_rules.resolved(asked, data, CPU)
     assert (settled.hflip, settled.zoom, settled.copy_paste) == (0.5, 0, 0)  # as asked
-    assert unet.augmentation_note(settled) == "augmentation: hflip 0.5 (each off at 0)"
+    assert unet_rules.augmentation_note(settled) == "augmentation: hflip 0.5 (each off at 0)"
 
 
 def test_shapes_in_both_mirror_images_keep_hflip_auto_at_half_and_zoom_off(unet, tmp_path):
     letters = make_letters(tmp_path / "letters", 240, mirrored_too=True)
     args = ["--images", letters / "imgs", "--masks", letters / "masks", "--output_dir", tmp_path]
     cfg, data = loaded(unet, args)
-    settled = unet.resolved(cfg, data, CPU)
+    settled = unet_rules.resolved(cfg, data, CPU)
     assert data.mirrored == [] and (settled.hflip, settled.zoom) == (0.5, 0)
     assert settled.copy_paste == 0.5  # letters on a background: copy_paste auto is on
     assert (
-        unet.augmentation_note(settled) == "augmentation: hflip 0.5, copy_paste 0.5 (each off at 0)"
+        unet_rules.augmentation_note(settled)
+        == "augmentation: hflip 0.5, copy_paste 0.5 (each off at 0)"
     )
-    assert unet.mirrored_note(data, cfg) is None
+    assert unet_rules.mirrored_note(data, cfg) is None
 
 
 def test_a_mirrored_mask_has_each_class_shape_mirrored_and_a_full_box_fills_every_cell():

@@ -12,6 +12,7 @@ from conftest import ONE_THREAD, VAL_FRACTION, assert_ok, launch, make_digits, r
 from PIL import Image
 from recipe_module import load_recipe
 
+import unet_rules
 from common.config import parse_config
 
 
@@ -54,12 +55,12 @@ def test_the_first_batches_of_each_process_are_what_trains_and_what_evaluates(
 
 def test_the_overfit_check_says_which_classes_it_did_not_learn(unet):
     result = {"iou_per_class": {"background": 0.99, "seven": 0.41, "one": 0.85, "two": None}}
-    assert unet.overfit_verdict(result) == (
+    assert unet_rules.overfit_verdict(result) == (
         "overfit check failed: 1 of 3 classes below IoU 0.8 (seven 0.41): train longer "
         "(--epochs) or at a higher --lr, then see docs/unet.md, Learning your classes"
     )
     result["iou_per_class"]["seven"] = 0.8
-    assert unet.overfit_verdict(result).startswith("overfit check passed")
+    assert unet_rules.overfit_verdict(result).startswith("overfit check passed")
 
 
 @pytest.mark.slow

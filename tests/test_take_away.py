@@ -12,7 +12,13 @@ from conftest import REPO
 SCRIPT = REPO / "scripts" / "copy_recipe.py"
 OWN_FILES = {  # the copy's files besides common/, accelerate_configs/ and its tests
     "mnist": {"my_task.py", "my_task_predict.py", "data/mnist_sample", "configs/mnist_fast.yaml"},
-    "unet": {"my_seg.py", "my_seg_predict.py", "my_seg_data.py", "my_seg_model.py"},
+    "unet": {
+        "my_seg.py",
+        "my_seg_predict.py",
+        "my_seg_data.py",
+        "my_seg_model.py",
+        "my_seg_rules.py",
+    },
     "text": {"my_text.py", "my_text_predict.py", "my_text_data.py", "my_text_model.py"},
 }
 NAMES = {"mnist": "my_task", "unet": "my_seg", "text": "my_text"}

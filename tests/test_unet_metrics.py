@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import REPO, VAL_FRACTION, relabelled
 
+import unet_rules
 from common.config import UserError, parse_config
 from common.metrics import class_scores, confusion_counts
 from common.segmentation_data import IGNORE
@@ -39,15 +40,19 @@ def test_miou_comes_from_one_confusion_matrix_and_leaves_absent_classes_out():
 def test_class_weights_and_the_focal_loss(unet):
     cfg = unet.Config(num_classes=3, class_weights="auto")
     pixels = [900, 90, 10]
-    weights = unet.class_weights(cfg, pixels, "cpu")
+    weights = unet_rules.class_weights(cfg, pixels, "cpu")
     share = torch.tensor(pixels) / 1000
     assert weights[0] < weights[1] < weights[2] <= 50 * weights[0]  # rare classes weigh more
     assert (weights * share).sum().item() == pytest.approx(1)  # the average pixel weighs 1
-    assert unet.class_weights(unet.Config(num_classes=3), pixels, "cpu") is None  # off by default
-    listed = unet.class_weights(unet.Config(num_classes=3, class_weights="0.5,1,2"), pixels, "cpu")
+    assert (
+        unet_rules.class_weights(unet.Config(num_classes=3), pixels, "cpu") is None
+    )  # off by default
+    listed = unet_rules.class_weights(
+        unet.Config(num_classes=3, class_weights="0.5,1,2"), pixels, "cpu"
+    )
     assert listed.tolist() == [0.5, 1, 2]
     with pytest.raises(UserError, match=re.escape("class_weights lists 2 weights for 3 classes")):
-        unet.class_weights(unet.Config(num_classes=3, class_weights="1,2"), pixels, "cpu")
+        unet_rules.class_weights(unet.Config(num_classes=3, class_weights="1,2"), pixels, "cpu")
     # The weights scale each pixel's cross-entropy by its true class's weight.
     torch.manual_seed(0)
     logits, target = torch.randn(1, 3, 4, 4), torch.randint(0, 3, (1, 4, 4))
@@ -148,7 +153,7 @@ def test_the_imbalance_note_names_the_setting_when_one_class_holds_most_pixels(
     args = ["--dataset", root, "--val_fraction", VAL_FRACTION, "--num_workers", 0]
     cfg = parse_config(unet.Config, [str(a) for a in args])
     data = unet.load_data(cfg, build_accelerator())
-    note = unet.imbalance_note(cfg, data)
+    note = unet_rules.imbalance_note(cfg, data)
     assert (
         note.startswith("note: class 0 (mask value 0) holds 9") and "of the training pixels" in note
     )
@@ -159,10 +164,10 @@ def test_the_imbalance_note_names_the_setting_when_one_class_holds_most_pixels(
         "--overfit_batches 1 checks that it can learn one batch"
     )
     # The preset it names is one that sets the class weights, so that the note says no more.
-    preset = ["--config", str(REPO / unet.RARE_CLASSES)]
+    preset = ["--config", str(REPO / unet_rules.RARE_CLASSES)]
     for setting in (["--class_weights", "auto"], ["--focal_gamma", "2"], preset):
         assert (
-            unet.imbalance_note(parse_config(unet.Config, [*map(str, args), *setting]), data)
+            unet_rules.imbalance_note(parse_config(unet.Config, [*map(str, args), *setting]), data)
             is None
         )
 
@@ -183,7 +188,7 @@ def test_the_imbalance_notes_miou_is_what_a_model_of_the_dominant_class_alone_sc
         names=["0", "1", "2", "3"],
         classes=MaskClasses(values=(0, 1, 2, 3)),
     )
-    note = unet.imbalance_note(parse_config(unet.Config, []), data)
+    note = unet_rules.imbalance_note(parse_config(unet.Config, []), data)
     matrix = torch.zeros(4, 4)  # [true, predicted]: every pixel predicted as class 0
     matrix[:, 0] = torch.tensor(pixels, dtype=torch.float)
     iou, _ = class_scores(matrix.flatten(), 4)

@@ -26,6 +26,7 @@ from conftest import (
 from PIL import Image
 from recipe_module import load_recipe
 
+import unet_rules
 from common.config import ConfigError, UserError, parse_config
 from common.inference import segment, tiled
 from common.runtime import run_serving
@@ -335,10 +336,10 @@ def test_flipped_views_are_averaged_as_logits(unet):
         assert torch.equal(segment(net, x, flips=""), net(x))
     # The recipe averages over the flips of training with predict_flip, else over none.
     cfg = SimpleNamespace(predict_flip=True)
-    assert unet.flips_to_average(cfg, "hv") == "hv"
-    assert unet.flips_to_average(SimpleNamespace(predict_flip=False), "hv") == ""
+    assert unet_rules.flips_to_average(cfg, "hv") == "hv"
+    assert unet_rules.flips_to_average(SimpleNamespace(predict_flip=False), "hv") == ""
     with pytest.raises(UserError, match="this model was trained with none"):  # eval_only, predict
-        unet.flips_to_average(cfg, "")
+        unet_rules.flips_to_average(cfg, "")
 
 
 @pytest.mark.slow
