@@ -54,7 +54,7 @@ from common.progress import Progress
 from common.runtime import hand_over, run
 from common.schedule import fit_schedule
 from common.signals import catch_stop_signals
-from common.text_data import (
+from common.text.data import (
     TokenCount,
     TokenSet,
     check_splits,

@@ -2,14 +2,14 @@
 
     list_documents(cfg)   which documents make the training and test splits, of which classes
 
-Everything behind it, the same for any data, is common/text_data.py: folders and tables read
+Everything behind it, the same for any data, is common/text/data.py: folders and tables read
 into memory, the split by content, the checks, token ids and the loaders by length.
 """
 
 from pathlib import Path
 
 from common.data import DataError
-from common.text_data import folder_splits, holds_tables, table_splits
+from common.text.data import folder_splits, holds_tables, table_splits
 
 SPAM = "data/spam"  # the default data: `make data/spam` writes it (scripts/make_spam.py)
 

@@ -30,7 +30,7 @@ from common.data import DataError
 from common.export import OnnxModel, export_onnx
 from common.outputs import stop_together, write_csv
 from common.runtime import run_serving
-from common.text_data import (
+from common.text.data import (
     TokenSet,
     check_splits,
     duplicate_groups,

@@ -43,17 +43,16 @@ from common.checkpoint import (
     save_weights,
 )
 from common.config import RunConfig, require
-from common.data import colour_jitter, crop_and_flip, zoom_and_rotate
 from common.determinism import set_deterministic
 from common.ema import EMA
 from common.evaluation import ExactSums, evaluation_model
-from common.inference import segment
-from common.metrics import class_scores, confusion_counts, peak_memory_mb, reset_peak_memory
+from common.metrics import peak_memory_mb, reset_peak_memory
 from common.outputs import open_run
 from common.progress import Progress
 from common.runtime import hand_over, run
 from common.schedule import HeldCosine, fit_schedule
-from common.segmentation_data import (
+from common.segmentation.augment import colour_jitter, crop_and_flip, zoom_and_rotate
+from common.segmentation.data import (
     IGNORE,
     MODES,
     RECORD,
@@ -63,8 +62,11 @@ from common.segmentation_data import (
     value_count,
     weights_record,
 )
+from common.segmentation.inference import segment
+from common.segmentation.metrics import class_scores, confusion_counts
+from common.segmentation.panels import image_panel
 from common.signals import catch_stop_signals
-from common.tracking import image_panel, start_logging
+from common.tracking import start_logging
 from unet_data import (  # ADAPT: your data
     Pairs,
     check_data_settings,
@@ -160,7 +162,7 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     # Predict (--predict GLOB): masks for new images with `weights`, which record the model.
     predict_dir: str | None = None  # where NAME_mask.png go; default: predictions/ beside weights
     overlay: bool = False  # also write NAME_overlay.png, the image with the classes painted on
-    # Predict and eval_only (and the evaluation of a training run): see common/inference.py.
+    # Predict and eval_only (and a training run's evaluation): common/segmentation/inference.py.
     predict_tile: int = 0  # run the model on overlapping tiles of this size, blended; 0: whole
     predict_flip: bool = False  # average the logits of the image and its flips seen in training
 
@@ -545,7 +547,7 @@ def main(cfg):
 
 def load_data(cfg, accelerator, trained=None):
     """The loaders, and what the data decides (classes, input size, channels): unet_data.py lists
-    and reads the pairs, common/segmentation_data.py does the rest (the scan of every mask on
+    and reads the pairs, common/segmentation/data.py does the rest (the scan of every mask on
     all processes, decoding, augmentation's random numbers, bucketing). trained: the record of
     --weights, whose classes are the classes."""
     listed = from_main_process(accelerator, lambda: list_pairs(cfg))  # paired once per job
@@ -597,8 +599,8 @@ def settle(cfg, accelerator):
     data = load_data(cfg, accelerator, trained)
     cfg = resolved(cfg, data, accelerator.device)
     # Copy-paste: the dataset pastes the objects (every pixel not background) of another training
-    # image, picked per sample, onto this share of them as it reads them (common/data.py's
-    # copy_paste(), the same on any number of processes).
+    # image, picked per sample, onto this share of them as it reads them (copy_paste() of
+    # common/segmentation/augment.py, the same on any number of processes).
     data.train_loader.dataset.paste = (cfg.copy_paste, data.background)
     return cfg, data, trained
 

@@ -4,7 +4,7 @@
     read_pair(image, mask)   one pair as PIL images: the image, and its mask of values or colours
     mask_classes(cfg, ...)   which mask value is which class, and which count for nothing
 
-Everything behind them, the same for any data, is common/segmentation_data.py: the mask scan
+Everything behind them, the same for any data, is common/segmentation/data.py: the mask scan
 across processes, class and size checks, decoding (cached), per-sample seeded augmentation,
 padding, bucketing and the loaders, all in one call, load_segmentation().
 """
@@ -15,8 +15,12 @@ from PIL import Image
 
 from common.config import require
 from common.data import DataError, TableRows, open_image
-from common.pairs import folder_splits, layout_hint, table_splits  # ADAPT: with list_pairs()
-from common.segmentation_data import MaskClasses, parse_values, read_class_names, value_count
+from common.segmentation.data import MaskClasses, parse_values, read_class_names, value_count
+from common.segmentation.pairs import (  # ADAPT: with list_pairs()
+    folder_splits,
+    layout_hint,
+    table_splits,
+)
 
 SHAPES = "data/shapes"  # the default data, made by `make data/shapes` (scripts/make_shapes.py)
 
@@ -27,7 +31,7 @@ def list_pairs(cfg):
     """(train, validation): the images of --images with their masks in --masks (or --dataset's
     imgs/ and masks/, Carvana's layout), each mask named after its image by --mask_name, split
     by --val_images, --val_list or val_fraction; else the rows of what datasets.load_dataset
-    reads, with an image column and a mask column (common/pairs.py)."""
+    reads, with an image column and a mask column (common/segmentation/pairs.py)."""
     root = Path(cfg.dataset)
     if (root / "imgs").is_dir() and not cfg.images and not (root / "masks").is_dir():
         raise DataError(
@@ -110,7 +114,7 @@ def check_data_settings(cfg):
 def read_pair(image, mask, name):
     """A PIL image and its mask, a PIL image of integer values or of RGB colours (an integer
     array [H, W], or [H, W, 3] of colours, does too). Both are decoded later: their pixels only
-    when common/segmentation_data.py needs them, at the size it needs. A file PIL cannot open
+    when common/segmentation/data.py needs them, at the size it needs. A file PIL cannot open
     stops with a DataError naming it."""
     image, mask = (
         open_image(p, kind) if isinstance(p, Path) else p
@@ -129,7 +133,7 @@ def read_pair(image, mask, name):
 
 # ADAPT: which mask value is which class: class i is mask value values[i], and the pixels of the
 # ignored values count for nothing. values None: one class per value found in the masks, in
-# order (common/segmentation_data.py checks them either way). A preset for a dataset's labels,
+# order (common/segmentation/data.py checks them either way). A preset for a dataset's labels,
 # such as Cityscapes' ids, is a --config file: recipes/configs/cityscapes.yaml.
 def mask_classes(cfg, stored=None):
     """--mask_values, --ignore_index, --ignore_unlisted and --class_names, each else as the

@@ -17,8 +17,8 @@ ResNetUNet: the U-Net of segmentation_models.pytorch: a torchvision ResNet encod
 load_encoder_weights can start from ImageNet weights, and a decoder of 5 blocks.
 
 Both take grad_checkpointing: each level keeps only its input for backward and runs again there
-(common/recompute.py), for less activation memory at the cost of one more forward. It changes no
-weight, so weights files do not record it.
+(common/segmentation/recompute.py), for less activation memory at the cost of one more
+forward. It changes no weight, so weights files do not record it.
 
 Both take dropout: in training, a share of the features of the two deepest levels (the end of the
 contracting path, where the U-Net paper puts its "drop-out layers", as zhixuhao/unet's drop4 and
@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common.config import UserError, require
-from common.recompute import recompute
+from common.segmentation.recompute import recompute
 
 # The U-Net halves an image 4 times on its way down: an input side that is a multiple of 2**4
 # comes back up at its own size, so padded batches and predict's tiles keep to this grid.

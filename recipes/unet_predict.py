@@ -24,13 +24,13 @@ from PIL import Image
 from common.accelerator import accelerator_for, close
 from common.checkpoint import load_weights
 from common.config import UserError
-from common.data import IMAGE_SUFFIXES, DataError, image_files, pad_to
+from common.data import IMAGE_SUFFIXES, DataError, image_files
 from common.export import OnnxModel, export_onnx
-from common.inference import predicted_classes, segment
 from common.runtime import run_serving
-from common.segmentation_data import MODES, padded, show_value
-from common.tracking import overlay as painted_on
-from common.tracking import save_overlays
+from common.segmentation.data import MODES, pad_to, padded, show_value
+from common.segmentation.inference import predicted_classes, segment
+from common.segmentation.panels import overlay as painted_on
+from common.segmentation.panels import save_overlays
 from unet import (  # ADAPT: your recipe
     NAME,
     PAD_MULTIPLE,

@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from common.config import UserError, require, require_at_least
-from common.segmentation_data import show_value, value_count
+from common.segmentation.data import show_value, value_count
 
 
 def check_settings(cfg, *, min_size, multiple):

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from recipe_module import load_recipe
 
-from common.inference import predicted_classes
-from common.metrics import confusion_counts
-from common.segmentation_data import IGNORE
+from common.segmentation.data import IGNORE
+from common.segmentation.inference import predicted_classes
+from common.segmentation.metrics import confusion_counts
 
 unet = load_recipe("unet")
 

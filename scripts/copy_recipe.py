@@ -71,24 +71,27 @@ PARTS = {
 
 
 def common_modules(sources):
-    """The modules of common/ that the Python files `sources` import, directly or through one
-    another (imports inside functions too), as file names: ["__init__.py", "config.py", ...]."""
-    wanted, todo = {"__init__"}, list(sources)
+    """The files of common/ that the Python files `sources` import, directly or through one
+    another (imports inside functions too), with the __init__.py of each package on the way:
+    ["__init__.py", "config.py", ..., "segmentation/__init__.py", "segmentation/data.py"]."""
+    wanted, todo = set(), list(sources)
     while todo:
-        tree = ast.parse(Path(todo.pop()).read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
+        for node in ast.walk(ast.parse(Path(todo.pop()).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:  # a module, or a package's
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             elif isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             else:
                 continue
             for name in names:
                 parts = name.split(".")
-                if parts[0] == "common" and len(parts) > 1 and parts[1] not in wanted:
-                    wanted.add(parts[1])
-                    todo.append(REPO / "common" / f"{parts[1]}.py")
-    return sorted(f"{m}.py" for m in wanted)
+                for depth in range(1, len(parts) + 1):  # common, common.x, common.x.y
+                    path = Path(*parts[:depth])
+                    for file in (path / "__init__.py", path.with_suffix(".py")):
+                        if parts[0] == "common" and (REPO / file).is_file() and file not in wanted:
+                            wanted.add(file)
+                            todo.append(REPO / file)
+    return sorted(str(file.relative_to("common")) for file in wanted)
 
 
 def renamed(text, recipe, name, stems):
@@ -123,8 +126,8 @@ def copy_recipe(recipe, dest, name):
     for source, stem in zip(sources, spec["files"]):
         text = renamed(source.read_text(), recipe, name, spec["files"])
         (dest / f"{name}{stem[len(recipe) :]}.py").write_text(text)
-    (dest / "common").mkdir()
     for module in common_modules(sources):
+        (dest / "common" / module).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / "common" / module, dest / "common" / module)
     shutil.copytree(REPO / "accelerate_configs", dest / "accelerate_configs")
     if spec["presets"]:

@@ -4,15 +4,15 @@ each one is? A classifier on crops, held against the U-Net's own naming (docs/le
     python scripts/name_digits.py --dataset data/digits_shape
     python scripts/name_digits.py --dataset data/digits_shape2 --base_channels 32 --epochs 60
 
-The encoder is recipes/unet.py's own (unet_model.py's build_unet: its first level and the 4
-levels down, at --base_channels), then an average over the positions and a linear layer to the 10
-digits. The data is the recipe's split of --dataset (common/pairs.py), each image resized to
+The encoder is recipes/unet.py's own (unet_model.py's build_unet: its first level and the 4 levels
+down, at --base_channels), then an average over the positions and a linear layer to the 10 digits.
+The data is the recipe's split of --dataset (common/segmentation/pairs.py), each image resized to
 --size as the recipe's --image_size does (the image bilinear, the mask by nearest neighbour); each
 digit class in a mask is one digit, cropped as a square 1.2 times its pixels' bounding box and
 resized to 32x32 (past the image's edges: black). Training: AdamW at --lr with the recipe's weight
-decay, a cosine over the run, batches of --batch_size digits, --epochs passes; each crop is
-resized by 0.8 to 1.25 times and moved by up to a tenth of its side, as the recipe's zoom moves a
-digit. After each epoch it prints the share of the held-out digits named right.
+decay, a cosine over the run, batches of --batch_size digits, --epochs passes; each crop is resized
+by 0.8 to 1.25 times and moved by up to a tenth of its side, as the recipe's zoom moves a digit.
+After each epoch it prints the share of the held-out digits named right.
 """
 
 import argparse
@@ -30,7 +30,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "recipes"), str(REPO)]
 
-from common.pairs import folder_splits  # noqa: E402
+from common.segmentation.pairs import folder_splits  # noqa: E402
 from unet_model import build_unet  # noqa: E402
 
 CROP = 32  # the classifier's input side

@@ -4,13 +4,13 @@ images at all, with nothing of the recipe around it?
     python scripts/overfit_plain.py --dataset data/digits_shape --ignore_index 255
     python scripts/overfit_plain.py --dataset data/digits_shape --ignore_index 255 --lr 1e-3
 
-The same U-Net as recipes/unet.py (recipes/unet_model.py, --base_channels), on the first
---images training images of the recipe's split (common/pairs.py: the images --overfit_batches
-takes on one process), read with PIL and resized to --size (the image bilinear, the mask by
-nearest neighbour), in batches of --batch_size in a fixed order. Cross-entropy alone, AdamW at a
-constant --lr, no clipping, no schedule, no augmentation. Every --every steps it evaluates the
-same images in eval mode and prints the mean IoU and each class's IoU, from one confusion matrix
-over all pixels, as the recipe's miou is.
+The same U-Net as recipes/unet.py (recipes/unet_model.py, --base_channels), on the first --images
+training images of the recipe's split (common/segmentation/pairs.py: the images --overfit_batches
+takes on one process), read with PIL and resized to --size (the image bilinear, the mask by nearest
+neighbour), in batches of --batch_size in a fixed order. Cross-entropy alone, AdamW at a constant
+--lr, no clipping, no schedule, no augmentation. Every --every steps it evaluates the same images in
+eval mode and prints the mean IoU and each class's IoU, from one confusion matrix over all pixels,
+as the recipe's miou is.
 """
 
 import argparse
@@ -25,7 +25,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "recipes"), str(REPO)]
 
-from common.pairs import folder_splits  # noqa: E402
+from common.segmentation.pairs import folder_splits  # noqa: E402
 from unet_model import build_unet  # noqa: E402
 
 IGNORE = -1

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tools.report import write_report  # noqa: E402
 from bench_tools.timing import time_from_imports  # noqa: E402
 
-from common.pairs import folder_pairs  # noqa: E402
+from common.segmentation.pairs import folder_pairs  # noqa: E402
 
 
 def write_pairs(folder, count):

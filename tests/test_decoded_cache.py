@@ -335,10 +335,10 @@ def test_the_code_fingerprint_is_the_same_in_every_process(tmp_path, monkeypatch
 
 
 def test_the_unet_decoding_key_reaches_the_data_surface_a_copy_edits(shapes, monkeypatch):
-    # An edit to how a pair is read (unet_data.py) or decoded (common/segmentation_data.py)
+    # An edit to how a pair is read (unet_data.py) or decoded (common/segmentation/data.py)
     # decodes again: the code that the U-Net's decoded() hands to the cache reaches both.
-    from common import segmentation_data
-    from common.pairs import folder_pairs
+    from common.segmentation import data as segmentation_data
+    from common.segmentation.pairs import folder_pairs
     from unet_data import Pairs
 
     passed = {}

@@ -20,7 +20,7 @@ from PIL import Image
 import unet_rules
 from common.accelerator import build_accelerator
 from common.config import parse_config
-from common.segmentation_data import SHAPE_GRID, shape_sums
+from common.segmentation.data import SHAPE_GRID, shape_sums
 
 CPU = torch.device("cpu")
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import ONE_THREAD, REPO, make_digits
 from PIL import Image
 
-from common.pairs import folder_splits
+from common.segmentation.pairs import folder_splits
 
 
 @pytest.mark.slow

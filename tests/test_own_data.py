@@ -34,8 +34,8 @@ from common.accelerator import build_accelerator
 from common.checkpoint import read_record
 from common.config import ConfigError, parse_config
 from common.data import DataError
-from common.segmentation_data import read_class_names, void_notes
-from common.tracking import paint
+from common.segmentation.data import read_class_names, void_notes
+from common.segmentation.panels import paint
 from unet_data import list_pairs
 
 RECIPE = "recipes/unet.py"

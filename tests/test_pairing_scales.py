@@ -13,7 +13,7 @@ import pytest
 from conftest import assert_ok, launch
 from PIL import Image
 
-from common.pairs import folder_pairs
+from common.segmentation.pairs import folder_pairs
 
 
 def write_pairs(folder, count, mask_suffix):

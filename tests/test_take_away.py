@@ -22,12 +22,9 @@ OWN_FILES = {  # the copy's files besides common/, accelerate_configs/ and its t
     "text": {"my_text.py", "my_text_predict.py", "my_text_data.py", "my_text_model.py"},
 }
 NAMES = {"mnist": "my_task", "unet": "my_seg", "text": "my_text"}
-# What a copy of one recipe never carries: the other recipes' machinery.
-NOT_CARRIED = {
-    "mnist": {"segmentation_data.py", "pairs.py", "recompute.py", "text_data.py"},
-    "unet": {"text_data.py"},
-    "text": {"segmentation_data.py", "pairs.py", "recompute.py"},
-}
+# What a copy of one recipe never carries: the other recipes' machinery (common/'s packages for
+# segmentation and text).
+NOT_CARRIED = {"mnist": {"segmentation", "text"}, "unet": {"text"}, "text": {"segmentation"}}
 
 
 def copy(recipe, dest, *more):

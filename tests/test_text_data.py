@@ -15,7 +15,7 @@ from text_corpus import write_corpus
 
 from common.config import ConfigError, UserError, parse_config
 from common.data import DataError
-from common.text_data import Documents, TokenSet, check_splits, content_split
+from common.text.data import Documents, TokenSet, check_splits, content_split
 from text_data import list_documents
 from text_model import PAD_MULTIPLE, Tokenizer, build_model
 

@@ -25,8 +25,8 @@ from PIL import Image
 
 from common.config import parse_config
 from common.data import DataError
-from common.metrics import confusion_counts
-from common.segmentation_data import IGNORE
+from common.segmentation.data import IGNORE
+from common.segmentation.metrics import confusion_counts
 
 RECIPE = "recipes/unet.py"
 

@@ -33,9 +33,9 @@ from conftest import (
 from PIL import Image
 from recipe_module import load_recipe
 
-from common.data import DataError, colour_jitter, crop_and_flip, zoom_and_rotate
-from common.metrics import confusion_counts
-from common.segmentation_data import (
+from common.data import DataError
+from common.segmentation.augment import colour_jitter, crop_and_flip, zoom_and_rotate
+from common.segmentation.data import (
     IGNORE,
     STORED_IGNORE,
     SegmentationSet,
@@ -43,6 +43,7 @@ from common.segmentation_data import (
     scan_pairs,
     value_count,
 )
+from common.segmentation.metrics import confusion_counts
 from unet_data import Pairs, list_pairs
 
 RECIPE = "recipes/unet.py"

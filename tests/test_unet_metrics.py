@@ -13,8 +13,8 @@ from conftest import REPO, VAL_FRACTION, relabelled
 
 import unet_rules
 from common.config import UserError, parse_config
-from common.metrics import class_scores, confusion_counts
-from common.segmentation_data import IGNORE
+from common.segmentation.data import IGNORE
+from common.segmentation.metrics import class_scores, confusion_counts
 
 
 def test_miou_comes_from_one_confusion_matrix_and_leaves_absent_classes_out():
@@ -179,7 +179,7 @@ def test_the_imbalance_notes_miou_is_what_a_model_of_the_dominant_class_alone_sc
     # left out of the mean: miou 0.475, not 1 / 4.
     from types import SimpleNamespace
 
-    from common.segmentation_data import MaskClasses
+    from common.segmentation.data import MaskClasses
 
     pixels = [95, 5, 0, 0]
     data = SimpleNamespace(

@@ -127,7 +127,8 @@ def test_dropout_zeroes_half_the_two_deepest_levels_in_training_only(name):
 @pytest.mark.slow
 def test_grad_checkpointing_updates_batchnorm_statistics_once_under_torch_compile():
     # A compiled checkpoint recomputes inside the compiled backward, which applies the
-    # statistics' update once: common/recompute.py passes it no context_fn (compile rejects one).
+    # statistics' update once: common/segmentation/recompute.py passes it no context_fn (compile
+    # rejects one).
     torch.manual_seed(0)
     plain = UNet(3, base_channels=4).train()
     ckpt = copy.deepcopy(plain)

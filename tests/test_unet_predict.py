@@ -28,8 +28,8 @@ from recipe_module import load_recipe
 
 import unet_rules
 from common.config import ConfigError, UserError, parse_config
-from common.inference import segment, tiled
 from common.runtime import run_serving
+from common.segmentation.inference import segment, tiled
 from unet import read_trained
 
 RECIPE = "recipes/unet.py"

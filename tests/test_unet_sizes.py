@@ -20,9 +20,9 @@ from conftest import (
 )
 from PIL import Image, JpegImagePlugin
 
-from common import segmentation_data
 from common.config import parse_config
 from common.data import DataError
+from common.segmentation import data as segmentation_data
 from unet import read_trained
 
 sys.path.append(str(REPO / "scripts"))  # activation_memory.py, after everything else

@@ -24,7 +24,7 @@ import torch
 
 from common.config import shell_flag
 from common.data import IMAGE_SUFFIXES, DataError, TableRows, load_splits
-from common.segmentation_data import void_name
+from common.segmentation.data import void_name
 
 DEFAULT_MASK_NAMES = ("{stem}.*", "{stem}_mask.*")
 LIST_SUFFIXES = (".txt", ".lst")  # files that list the names of a split, one per line

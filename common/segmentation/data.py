@@ -41,10 +41,8 @@ from common.config import ConfigError, UserError, require, shell_flag
 from common.data import (
     IMAGE_ERRORS,
     DataError,
-    copy_paste,
     cpus_per_process,
     index_tensor,
-    pad_to,
     require_one_batch_per_process,
     seeded_loader,
     to_device,
@@ -52,6 +50,7 @@ from common.data import (
     worker_count,
 )
 from common.sampler import bucket_loader
+from common.segmentation.augment import copy_paste
 
 IGNORE = (
     -1
@@ -66,6 +65,12 @@ CACHE_BUDGET_GB = 4  # cache_images auto: decode once if images and masks fit th
 # the edges between other values, as interpolation and JPEG leave values, not as a class does.
 EDGE_ONLY = 0.02
 VOID = 255  # the void label of Pascal VOC and of Cityscapes' train ids
+
+
+def pad_to(tensor, height, width, value):
+    """[..., h, w] -> [..., height, width], filled with `value` at the bottom and right."""
+    padding = (0, width - tensor.shape[-1], 0, height - tensor.shape[-2])
+    return torch.nn.functional.pad(tensor, padding, value=value)
 
 
 def value_count(num_classes):
