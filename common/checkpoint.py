@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from common.config import UserError, shell_flag
-from common.schedule import same_kind
+from common.schedule import fit_schedule, same_kind
 
 # What a full disk, a quota or a lost mount raise while a file is written: safetensors reports
 # an I/O error as SafetensorError, torch.save as RuntimeError ("file write failed").
@@ -425,6 +425,62 @@ def resume_training(accelerator, path, cfg, *, progress, scheduler, recipe, data
     # run's only if the split is the checkpoint's.
     accelerator.step = progress.batches_done
     return state
+
+
+def resume_or_start(
+    accelerator,
+    checkpoint,
+    cfg,
+    *,
+    progress,
+    scheduler,
+    batches_per_epoch,
+    recipe,
+    data_order,
+    **extras,
+):
+    """Where training starts: from `checkpoint` when there is one (resume_training: the weights,
+    optimizer, every rank's RNG, the LR schedule and the place in the data), then with the LR
+    schedule fitted to end where the run ends (common.schedule.fit_schedule), resumed or not."""
+    if checkpoint:  # eval_only reads any checkpoint; training on needs the same data order
+        resume_training(
+            accelerator,
+            checkpoint,
+            cfg,
+            progress=progress,
+            scheduler=scheduler,
+            recipe=recipe,
+            data_order=data_order,
+            **extras,
+        )
+    fit_schedule(
+        scheduler, cfg, progress, batches_per_epoch=batches_per_epoch, checkpoint=checkpoint
+    )
+
+
+def save_best(accelerator, progress, result, *, model, ema, out, metadata):
+    """out/best.safetensors when `result`, the evaluation after the epoch that progress.end_epoch()
+    just completed, is the best so far (progress.improved, which also counts evaluations for early
+    stopping): the weights' moving average with ema. It records `metadata`, that epoch and the
+    result's numbers."""
+    if progress.improved(result):
+        numbers = {k: v for k, v in result.items() if not isinstance(v, dict)}
+        save_weights(
+            accelerator,
+            ema.module if ema else model,
+            Path(out) / "best.safetensors",
+            metadata={**metadata, "epoch": progress.epoch - 1, **numbers},
+        )
+
+
+def save_final(accelerator, model, ema, out, *, metadata):
+    """The trained weights: out/model.safetensors, and with ema the weights' moving average,
+    out/model_ema.safetensors; both record `metadata`."""
+    save_weights(accelerator, model, Path(out) / "model.safetensors", metadata=metadata)
+    if ema is not None:
+        save_weights(
+            accelerator, ema.module, Path(out) / "model_ema.safetensors", metadata=metadata
+        )
 
 
 def record_metadata(key, record, **more):

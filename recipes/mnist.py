@@ -30,9 +30,10 @@ from common.checkpoint import (
     load_weights,
     read_record,
     record_metadata,
-    resume_training,
+    resume_or_start,
+    save_best,
+    save_final,
     save_training,
-    save_weights,
 )
 from common.config import RunConfig, UserError, require, require_at_least
 from common.data import (
@@ -52,7 +53,6 @@ from common.metrics import peak_memory_mb, reset_peak_memory
 from common.outputs import open_run
 from common.progress import Progress
 from common.runtime import hand_over, run
-from common.schedule import fit_schedule
 from common.signals import catch_stop_signals
 from common.tracking import start_logging
 
@@ -360,19 +360,15 @@ def main(cfg):
 
     # 5. Resume: weights, optimizer, RNGs, LR schedule, place in the data. `best`: EMA's if any.
     progress = Progress(accelerator, cfg, metric="ema_accuracy" if ema else "accuracy")
-    if checkpoint:  # eval_only reads any checkpoint; training on needs the same data order
-        resume_training(
-            accelerator,
-            checkpoint,
-            cfg,
-            progress=progress,
-            scheduler=scheduler,
-            recipe=NAME,
-            data_order=DATA_ORDER,
-        )
-    # common/schedule.py: the LR schedule ends where the run ends, also after a resume.
-    fit_schedule(
-        scheduler, cfg, progress, batches_per_epoch=len(train_loader), checkpoint=checkpoint
+    resume_or_start(  # and the LR schedule fitted to end where the run ends
+        accelerator,
+        checkpoint,
+        cfg,
+        progress=progress,
+        scheduler=scheduler,
+        batches_per_epoch=len(train_loader),
+        recipe=NAME,
+        data_order=DATA_ORDER,
     )
 
     # 6. Train, evaluating after every epoch.
@@ -392,13 +388,9 @@ def main(cfg):
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             if cfg.scheduler == "step":
                 scheduler.step()
-            if progress.improved(result):  # also counts evaluations for early stopping
-                save_weights(
-                    accelerator,
-                    ema.module if ema else model,
-                    out / "best.safetensors",
-                    metadata={**stored, "epoch": epoch, **result},
-                )
+            save_best(  # best.safetensors, if this is the best evaluation so far
+                accelerator, progress, result, model=model, ema=ema, out=out, metadata=stored
+            )
             save(accelerator, cfg, progress, scheduler)
         metrics.write(
             epoch=epoch, step=progress.step, lr=lr, **train, **result, eval_peak_memory_mb=eval_peak
@@ -420,11 +412,7 @@ def main(cfg):
                 epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
             )
         if not cfg.eval_only:
-            save_weights(accelerator, model, out / "model.safetensors", metadata=stored)
-            if ema is not None:
-                save_weights(
-                    accelerator, ema.module, out / "model_ema.safetensors", metadata=stored
-                )
+            save_final(accelerator, model, ema, out, metadata=stored)  # and the moving average's
         accelerator.print(
             f"test accuracy {result['accuracy']:.4f} on {result['eval_samples']} "
             f"samples; outputs in {out}/"

@@ -39,9 +39,10 @@ from common.checkpoint import (
     load_weights,
     read_record,
     record_metadata,
-    resume_training,
+    resume_or_start,
+    save_best,
+    save_final,
     save_training,
-    save_weights,
 )
 from common.config import RunConfig, UserError, require, require_at_least
 from common.data import DataError
@@ -52,7 +53,6 @@ from common.metrics import peak_memory_mb, reset_peak_memory
 from common.outputs import open_run
 from common.progress import Progress
 from common.runtime import hand_over, run
-from common.schedule import fit_schedule
 from common.signals import catch_stop_signals
 from common.text.data import (
     TokenCount,
@@ -425,20 +425,16 @@ def main(cfg):
 
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
     progress = Progress(accelerator, cfg, metric="ema_accuracy" if ema else "accuracy")
-    if checkpoint:  # eval_only reads any checkpoint; training on needs the same data order
-        resume_training(
-            accelerator,
-            checkpoint,
-            cfg,
-            progress=progress,
-            scheduler=scheduler,
-            recipe=NAME,
-            data_order=DATA_ORDER,
-            **same_data(data),
-        )
-    # common/schedule.py: the LR schedule ends where the run ends, also after a resume.
-    fit_schedule(
-        scheduler, cfg, progress, batches_per_epoch=len(train_loader), checkpoint=checkpoint
+    resume_or_start(  # and the LR schedule fitted to end where the run ends
+        accelerator,
+        checkpoint,
+        cfg,
+        progress=progress,
+        scheduler=scheduler,
+        batches_per_epoch=len(train_loader),
+        recipe=NAME,
+        data_order=DATA_ORDER,
+        **same_data(data),
     )
     record = {"model": settings, "classes": data.classes, "tokenizer": data.tokenizer.record()}
     record["encoder"] = encoder  # a pretrained encoder's configuration, or None
@@ -467,13 +463,9 @@ def main(cfg):
         result = evaluate_with_average(model, ema, test_loader, accelerator)
         eval_peak = peak_memory_mb(accelerator.device)
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
-            if progress.improved(result):  # also counts evaluations for early stopping
-                save_weights(
-                    accelerator,
-                    ema.module if ema else model,
-                    out / "best.safetensors",
-                    metadata={**stored, "epoch": epoch, **result},
-                )
+            save_best(  # best.safetensors, if this is the best evaluation so far
+                accelerator, progress, result, model=model, ema=ema, out=out, metadata=stored
+            )
             save(accelerator, cfg, progress=progress, scheduler=scheduler, data=data)
         metrics.write(
             epoch=epoch, step=progress.step, lr=lr, **train, **result, eval_peak_memory_mb=eval_peak
@@ -495,11 +487,7 @@ def main(cfg):
                 epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
             )
         if not cfg.eval_only:
-            save_weights(accelerator, model, out / "model.safetensors", metadata=stored)
-            if ema is not None:
-                save_weights(
-                    accelerator, ema.module, out / "model_ema.safetensors", metadata=stored
-                )
+            save_final(accelerator, model, ema, out, metadata=stored)  # and the moving average's
         accelerator.print(
             f"test accuracy {result['accuracy']:.4f} on {result['eval_samples']} documents; "
             f"outputs in {out}/"

@@ -38,9 +38,10 @@ from common.checkpoint import (
     fit_to_record,
     load_weights,
     record_metadata,
-    resume_training,
+    resume_or_start,
+    save_best,
+    save_final,
     save_training,
-    save_weights,
 )
 from common.config import RunConfig, require
 from common.determinism import set_deterministic
@@ -50,7 +51,7 @@ from common.metrics import peak_memory_mb, reset_peak_memory
 from common.outputs import open_run
 from common.progress import Progress
 from common.runtime import hand_over, run
-from common.schedule import HeldCosine, fit_schedule
+from common.schedule import HeldCosine
 from common.segmentation.augment import colour_jitter, crop_and_flip, zoom_and_rotate
 from common.segmentation.data import (
     IGNORE,
@@ -437,20 +438,16 @@ def main(cfg):
     # 4. Resume: weights, optimizer, every rank's RNG, the LR schedule and the place in the data.
     best = f"ema_{cfg.best_metric}" if ema else cfg.best_metric  # best.safetensors follows it
     progress = Progress(accelerator, cfg, metric=best)
-    if checkpoint:  # eval_only reads any checkpoint; training on needs the same data order
-        resume_training(
-            accelerator,
-            checkpoint,
-            cfg,
-            progress=progress,
-            scheduler=scheduler,
-            recipe=NAME,
-            data_order=DATA_ORDER,
-            **same_classes(data.classes),
-        )
-    # common/schedule.py: the LR schedule ends where the run ends, also after a resume.
-    fit_schedule(
-        scheduler, cfg, progress, batches_per_epoch=len(train_loader), checkpoint=checkpoint
+    resume_or_start(  # and the LR schedule fitted to end where the run ends
+        accelerator,
+        checkpoint,
+        cfg,
+        progress=progress,
+        scheduler=scheduler,
+        batches_per_epoch=len(train_loader),
+        recipe=NAME,
+        data_order=DATA_ORDER,
+        **same_classes(data.classes),
     )
     record = weights_record(data, model=settings, scale=cfg.scale, flips=trained_flips)
     stored = record_metadata(RECORD, record, recipe=NAME)  # in every weights file, for predict
@@ -489,13 +486,9 @@ def main(cfg):
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             if cfg.scheduler == "plateau":
                 scheduler.step(result[cfg.best_metric])
-            if progress.improved(result):  # also counts evaluations for early stopping
-                save_weights(
-                    accelerator,
-                    ema.module if ema else model,
-                    out / "best.safetensors",
-                    metadata={**stored, "epoch": epoch, **scalars(result)},
-                )
+            save_best(  # best.safetensors, if this is the best evaluation so far
+                accelerator, progress, result, model=model, ema=ema, out=out, metadata=stored
+            )
             save(accelerator, cfg, progress=progress, scheduler=scheduler, classes=data.classes)
         metrics.write(
             epoch=epoch, step=progress.step, lr=lr, **train, **result, eval_peak_memory_mb=eval_peak
@@ -525,11 +518,7 @@ def main(cfg):
                 epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
             )
         if not cfg.eval_only:
-            save_weights(accelerator, model, out / "model.safetensors", metadata=stored)
-            if ema is not None:
-                save_weights(
-                    accelerator, ema.module, out / "model_ema.safetensors", metadata=stored
-                )
+            save_final(accelerator, model, ema, out, metadata=stored)  # and the moving average's
         accelerator.print(
             f"dice {result['dice']:.4f}, miou {result['miou']:.4f} on {result['eval_samples']} "
             f"validation images; outputs in {out}/"
