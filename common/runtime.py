@@ -47,9 +47,15 @@ def _stop_loader_workers():
             obj._shutdown_workers()
 
 
-def run(main, config_class, argv=None, positional=None):
+SERVES = ("--predict", "--export", "--check_data")  # a command line with one is the serving file's
+
+
+def run(main, config_class, argv=None, positional=None, *, serving=None):
     """Parse the config, call main(cfg), and turn user errors into one line and exit status 2.
-    positional: the setting that an argument without a --name gives (parse_config).
+    positional: the setting that an argument without a --name gives (parse_config). serving: the
+    recipe's serving file, which runs in this process's place (hand_over) when the command line
+    asks to predict, export or check the data: the settings of those (predict_dir, top_k, ...)
+    are the serving file's, which the training file's Config does not know.
 
     Once the recipe calls common.signals.catch_stop_signals(), Ctrl-C and SIGTERM only set a flag
     that the training loop polls, so it can write a checkpoint and exit cleanly on every rank
@@ -59,6 +65,8 @@ def run(main, config_class, argv=None, positional=None):
     the others wait a moment for the launcher to stop them.
     `--debug` shows the full traceback instead. Other exceptions keep their traceback.
     """
+    if serving and argv is None and any(a.split("=", 1)[0] in SERVES for a in sys.argv[1:]):
+        hand_over(serving)
     debug = "--debug" in (sys.argv if argv is None else argv)
     # What the imports made (torch, accelerate: several hundred thousand objects) lives until the
     # process ends. Out of the collector's sight, it leaves the full collections in close()

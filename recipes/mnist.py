@@ -84,9 +84,7 @@ class Config(RunConfig):
     seed: int = 1  # model init and data order; same seed, same run
     num_workers: int = 0  # DataLoader workers per process; the data is already decoded in memory
     data_on_device: bool = True  # keep the decoded images on the GPU and gather batches there
-    # Predict (--predict "digits/*.png" --weights FILE): a CSV row per file, in eval_batch_size.
-    top_k: int = 3  # the most likely classes per file, each with its probability
-    predict_csv: str = ""  # where the CSV goes; empty: predictions.csv beside the weights
+    # Predict, export and the data check: mnist_predict.py, with settings of its own.
 
     def validate(self):
         super().validate()
@@ -94,7 +92,6 @@ class Config(RunConfig):
             value = getattr(self, name)
             require(value in choices, f"{name} must be {' or '.join(choices)}, got {value!r}")
         require_at_least(self, 0, "weight_decay", "shift")
-        require_at_least(self, 1, "top_k")
 
 
 # ADAPT: your model. This is the BasicNet of the PyTorch examples, so results compare.
@@ -313,7 +310,7 @@ def settle(cfg, accelerator):
 
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
-    if cfg.predict or cfg.export or cfg.check_data:  # not training: the serving file serves
+    if cfg.predict or cfg.export or cfg.check_data:  # from a --config file: the serving file's
         hand_over(SERVING)  # it runs in this process's place, with the same arguments
     accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
@@ -424,4 +421,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    run(main, Config)
+    run(main, Config, serving=SERVING)  # --predict, --export, --check_data: SERVING runs

@@ -5,13 +5,14 @@ conversion and data (recipes/mnist.py, which trains):
     python recipes/mnist_predict.py --export onnx --weights runs/mnist/model.safetensors
     python recipes/mnist_predict.py --check_data --dataset data/mnist_sample
 
-Every setting is the recipe's Config; `python recipes/mnist.py --predict ...` runs this file in
-its place. A copy of the recipe copies this file too and points its one import marked ADAPT at
-the copy (recipes/mnist.py never imports this file).
+Its settings are the recipe's Config and predict's own (ServingConfig); `python recipes/mnist.py
+--predict ...` runs this file in its place. A copy of the recipe copies this file too and points
+its one import marked ADAPT at the copy (recipes/mnist.py never imports this file).
 """
 
 import itertools
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
@@ -23,7 +24,7 @@ from PIL import Image
 
 from common.accelerator import accelerator_for, close
 from common.checkpoint import load_weights, read_record, record_metadata
-from common.config import UserError
+from common.config import UserError, require_at_least
 from common.data import image_files, read_image
 from common.export import export_onnx
 from common.outputs import stop_together, write_csv
@@ -40,6 +41,17 @@ from mnist import (  # ADAPT: your recipe
     normalize,
     to_batch,
 )
+
+
+@dataclass
+class ServingConfig(Config):
+    # Predict (--predict "digits/*.png" --weights FILE): a CSV row per file, in eval_batch_size.
+    top_k: int = 3  # the most likely classes per file, each with its probability
+    predict_csv: str = ""  # where the CSV goes; empty: predictions.csv beside the weights
+
+    def validate(self):
+        super().validate()
+        require_at_least(self, 1, "top_k")
 
 
 def serve(cfg):
@@ -154,4 +166,4 @@ def each_class_in_turn(labels, count):
 
 
 if __name__ == "__main__":  # mnist_predict.py --weights W "digits/*.png"
-    run_serving(serve, Config, recipe=NAME, script=__file__)
+    run_serving(serve, ServingConfig, recipe=NAME, script=__file__)

@@ -110,15 +110,12 @@ class Config(RunConfig):
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
     seed: int = 0  # model init and data order; same seed, same run
     num_workers: int = 0  # DataLoader workers per process; the documents are in memory already
-    # Predict (text_predict.py "mail/*.txt" --weights FILE): a CSV row per file.
+    # Predict, export and the data check: text_predict.py, with settings of its own.
     predict: str | None = None  # documents (a glob) to label with --weights, by text_predict.py
-    top_k: int = 1  # the most likely classes per file, each with its probability
-    predict_csv: str = ""  # where the CSV goes; empty: output_dir/predictions.csv
 
     def validate(self):
         super().validate()
         require_at_least(self, 0, "weight_decay", "grad_clip", "max_batch_tokens")
-        require_at_least(self, 1, "top_k")
         require(
             0 < self.val_fraction < 1, f"val_fraction must be in (0, 1), got {self.val_fraction}"
         )
@@ -391,7 +388,7 @@ def evaluate_with_average(model, ema, loader, accelerator):
 
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
-    if cfg.predict or cfg.export or cfg.check_data:  # not training: the serving file serves
+    if cfg.predict or cfg.export or cfg.check_data:  # from a --config file: the serving file's
         hand_over(SERVING)  # it runs in this process's place, with the same arguments
     accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
@@ -499,4 +496,4 @@ def main(cfg):
 
 
 if __name__ == "__main__":
-    run(main, Config)
+    run(main, Config, serving=SERVING)  # --predict, --export, --check_data: SERVING runs

@@ -7,14 +7,15 @@ input and data (recipes/text.py, which trains, imports nothing of this file; giv
     python recipes/text_predict.py --export onnx --weights runs/text/model.safetensors
     python recipes/text_predict.py --check_data --dataset data/spam
 
-Every setting is the recipe's Config. The weights file records the model's settings, its
-classes and its tokenizer, so predict and export need no other flag. A copy of the recipe copies
-this file too and points the import marked ADAPT at the copy: the model and the data come with
-it.
+Its settings are the recipe's Config and predict's own (ServingConfig). The weights file records the
+model's settings, its classes and its tokenizer, so predict and export need no other flag. A copy of
+the recipe copies this file too and points the import marked ADAPT at the copy: the model and the
+data come with it.
 """
 
 import glob
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from common.accelerator import accelerator_for, close
 from common.checkpoint import load_weights
-from common.config import UserError
+from common.config import UserError, require_at_least
 from common.data import DataError
 from common.export import OnnxModel, export_onnx
 from common.outputs import stop_together, write_csv
@@ -49,6 +50,17 @@ from text import (  # ADAPT: your recipe (its model and data come with it)
     list_documents,
     read_trained,
 )
+
+
+@dataclass
+class ServingConfig(Config):
+    # Predict (text_predict.py "mail/*.txt" --weights FILE): a CSV row per file.
+    top_k: int = 1  # the most likely classes per file, each with its probability
+    predict_csv: str = ""  # where the CSV goes; empty: output_dir/predictions.csv
+
+    def validate(self):
+        super().validate()
+        require_at_least(self, 1, "top_k")
 
 
 def serve(cfg):
@@ -207,4 +219,4 @@ def check_data(cfg, accelerator, shown=3):
 
 
 if __name__ == "__main__":  # text_predict.py --weights W "mail/*.txt"
-    run_serving(serve, Config, recipe=NAME, script=__file__)
+    run_serving(serve, ServingConfig, recipe=NAME, script=__file__)

@@ -160,10 +160,8 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     best_metric: str = "miou"  # miou or dice: picks best.safetensors, early stops, plateau's lr
     seed: int = 0  # model init, data order and augmentation; same seed, same run
     log_every: int = 20  # optimizer steps between logged scalars; image panels at every eval
-    # Predict (--predict GLOB): masks for new images with `weights`, which record the model.
-    predict_dir: str | None = None  # where NAME_mask.png go; default: predictions/ beside weights
-    overlay: bool = False  # also write NAME_overlay.png, the image with the classes painted on
-    # Predict and eval_only (and a training run's evaluation): common/segmentation/inference.py.
+    # Predict, export and the data check: unet_predict.py, with settings of its own. These two
+    # are evaluation's too, of training and eval_only (common/segmentation/inference.py):
     predict_tile: int = 0  # run the model on overlapping tiles of this size, blended; 0: whole
     predict_flip: bool = False  # average the logits of the image and its flips seen in training
 
@@ -387,7 +385,7 @@ def scalars(result):
 
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
-    if cfg.predict or cfg.export or cfg.check_data:  # not training: the serving file serves
+    if cfg.predict or cfg.export or cfg.check_data:  # from a --config file: the serving file's
         hand_over(SERVING)  # it runs in this process's place, with the same arguments
     accelerator = accelerator_for(cfg)  # build_accelerator() with the run's settings
     set_seed(cfg.seed)
@@ -659,4 +657,4 @@ def same_classes(classes):
 
 
 if __name__ == "__main__":
-    run(main, Config)
+    run(main, Config, serving=SERVING)  # --predict, --export, --check_data: SERVING runs

@@ -5,13 +5,13 @@ conversion and data (recipes/unet.py, which trains, and what it imports):
     python recipes/unet_predict.py --export onnx --weights runs/unet/model.safetensors
     python recipes/unet_predict.py --check_data --images data/x/imgs --masks data/x/masks
 
-Every setting is the recipe's Config; `python recipes/unet.py --predict ...` runs this file in its
-place. A copy of the recipe copies this file too and points its one import marked ADAPT at the
-copy's recipe (recipes/unet.py never imports this file).
+Its settings are the recipe's Config and predict's own (ServingConfig); `python recipes/unet.py
+--predict ...` runs this file in its place. A copy of the recipe copies this file too and points its
+one import marked ADAPT at the copy's recipe (recipes/unet.py never imports this file).
 """
 
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
@@ -44,6 +44,13 @@ from unet import (  # ADAPT: your recipe
     settle,
     start_up_notes,
 )
+
+
+@dataclass
+class ServingConfig(Config):
+    # Predict (--predict GLOB): masks for new images with `weights`, which record the model.
+    predict_dir: str | None = None  # where NAME_mask.png go; default: predictions/ beside weights
+    overlay: bool = False  # also write NAME_overlay.png, the image with the classes painted on
 
 
 def serve(cfg):
@@ -255,4 +262,4 @@ def sample_images(val_pairs, record, *, multiple, source, count=4):
 
 
 if __name__ == "__main__":  # unet_predict.py --weights W "photos/*.jpg"
-    run_serving(serve, Config, recipe=NAME, script=__file__)
+    run_serving(serve, ServingConfig, recipe=NAME, script=__file__)

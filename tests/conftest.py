@@ -178,7 +178,9 @@ def predict_here(recipe, weights, pattern, out, *more):
 
     args = ["--predict", pattern, "--weights", weights, "--predict_dir", out, *more]
     serving = load_recipe(f"{recipe.NAME}_predict")  # recipes/unet_predict.py serves unet.py
-    serving.predict(parse_config(recipe.Config, [str(a) for a in args]), build_accelerator())
+    serving.predict(
+        parse_config(serving.ServingConfig, [str(a) for a in args]), build_accelerator()
+    )
 
 
 def stopped_at(straight, step, split):

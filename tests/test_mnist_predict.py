@@ -82,7 +82,10 @@ def predict_here(*args):
     from common.accelerator import build_accelerator
 
     mnist = load_recipe("mnist")
-    cfg = parse_config(mnist.Config, ["--weights", "unused.safetensors", *map(str, args)])
+    cfg = parse_config(
+        load_recipe("mnist_predict").ServingConfig,
+        ["--weights", "unused.safetensors", *map(str, args)],
+    )
     classes = [str(i) for i in range(10)]
     serving = load_recipe("mnist_predict")
     serving.predict(cfg, build_accelerator(), mnist.BasicNet(num_classes=10), classes)
@@ -129,7 +132,7 @@ def test_a_glob_that_matches_no_image_says_so(tmp_path):
 
 @pytest.mark.slow
 def test_predict_settings_are_checked():
-    mnist = load_recipe("mnist")
+    config = load_recipe("mnist_predict").ServingConfig  # predict's settings: the serving file's
     for args, message in [
         (["--predict", "x.png"], "predict needs weights: add --weights FILE"),
         (
@@ -140,7 +143,7 @@ def test_predict_settings_are_checked():
         (["--top_k", "0"], "top_k must be at least 1, got 0"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):
-            parse_config(mnist.Config, args)
+            parse_config(config, args)
 
 
 @pytest.mark.slow
@@ -169,18 +172,29 @@ def test_predictions_and_an_export_follow_the_weights_not_the_data(
     weights.write_bytes((mnist_checkpoint / "model.safetensors").read_bytes())
     # The CSV goes beside the weights, so that two models never overwrite each other's.
     paths = write_digits(tiny_mnist, tmp_path / "digits", count=3)
-    cfg = parse_config(mnist.Config, ["--predict", str(paths[0]), "--weights", str(weights)])
+    cfg = parse_config(
+        load_recipe("mnist_predict").ServingConfig,
+        ["--predict", str(paths[0]), "--weights", str(weights)],
+    )
     serving.predict(cfg, build_accelerator(), mnist.BasicNet(num_classes=10), mnist_classes())
     assert len(read_csv(folder / "predictions.csv")) == 2
     # Export without --dataset, where the hub cannot be reached (conftest's HF_ENDPOINT): the
     # check runs on random pixels of the model's input, and says so.
-    serving.serve(parse_config(mnist.Config, ["--export", "onnx", "--weights", str(weights)]))
+    serving.serve(
+        parse_config(
+            load_recipe("mnist_predict").ServingConfig,
+            ["--export", "onnx", "--weights", str(weights)],
+        )
+    )
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith(f"wrote {weights.with_suffix('.onnx')}: ") and line.endswith(
         "on inputs of 8x1x28x28, 3x1x28x28 (random pixels: no --dataset given)"
     ), line
     # A dataset whose classes are not the weights': one line that names both and the fix.
-    cfg = parse_config(mnist.Config, ["--dataset", str(tiny_mnist), "--weights", str(weights)])
+    cfg = parse_config(
+        load_recipe("mnist_predict").ServingConfig,
+        ["--dataset", str(tiny_mnist), "--weights", str(weights)],
+    )
     with pytest.raises(UserError) as error:
         serving.export_inputs(cfg, ["cat", "dog", "emu"])
     assert str(error.value) == (

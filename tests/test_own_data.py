@@ -353,16 +353,15 @@ def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(
     assert_ok(res)
     assert "60 train / 12 test samples of 3 classes" in res.output, res
     assert read_record(out / "model.safetensors", "classes") == ["cat", "dog", "emu"]
-    mnist = load_recipe("mnist")
+    mnist, serving = load_recipe("mnist"), load_recipe("mnist_predict")
     weights = out / "model.safetensors"
-    cfg = parse_config(
-        mnist.Config,
+    cfg = parse_config(  # predict's own settings are the serving file's
+        serving.ServingConfig,
         ["--predict", str(data / "test" / "*" / "*.png"), "--weights", str(weights)]
         + ["--predict_csv", str(tmp_path / "p.csv"), "--top_k", "2"],
     )
     classes = read_record(cfg.weights, "classes")
     model = mnist.BasicNet(num_classes=len(classes))
-    serving = load_recipe("mnist_predict")
     serving.predict(cfg, build_accelerator(), model, classes)
     with open(tmp_path / "p.csv", newline="") as f:
         header, *rows = list(csv.reader(f))
@@ -371,7 +370,7 @@ def test_mnist_takes_its_classes_from_the_data_and_predicts_their_names(
     with pytest.raises(Exception, match="top_k 4 is more than the model's 3 classes"):
         serving.predict(
             parse_config(
-                mnist.Config, ["--predict", "x", "--weights", str(weights), "--top_k", "4"]
+                serving.ServingConfig, ["--predict", "x", "--weights", str(weights), "--top_k", "4"]
             ),
             build_accelerator(),
             model,

@@ -39,6 +39,24 @@ RECIPE = "recipes/unet.py"
 
 
 @pytest.mark.slow
+def test_the_training_file_predicts_with_the_serving_files_own_settings(
+    trained_unet, shapes, tmp_path
+):
+    # predict_dir and overlay are unet_predict.py's settings, not unet.py's: the training file
+    # given --predict hands the command line over before it reads it.
+    out, _ = trained_unet
+    image = sorted((shapes / "imgs").glob("*.png"))[0]
+    args = [RECIPE, "--predict", image, "--weights", out / "model.safetensors", "--overlay"]
+    res = launch([*args, "--predict_dir", tmp_path / "p"], launcher="python", env=ONE_THREAD)
+    assert_ok(res)
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == [
+        f"{image.stem}_mask.png",
+        f"{image.stem}_overlay.png",
+    ]
+    assert "overlay" not in launch([RECIPE, "--help"], launcher="python").output
+
+
+@pytest.mark.slow
 def test_predictions_go_beside_the_weights(trained_unet, shapes, unet, tmp_path):
     # Two models predict into their own folders, not both into output_dir/predictions.
     from common.accelerator import build_accelerator
@@ -49,7 +67,8 @@ def test_predictions_go_beside_the_weights(trained_unet, shapes, unet, tmp_path)
     shutil.copy(out / "model.safetensors", folder)
     image = sorted((shapes / "imgs").glob("*.png"))[0]
     args = ["--predict", str(image), "--weights", str(folder / "model.safetensors")]
-    load_recipe("unet_predict").predict(parse_config(unet.Config, args), build_accelerator())
+    serving = load_recipe("unet_predict")
+    serving.predict(parse_config(serving.ServingConfig, args), build_accelerator())
     assert [p.name for p in (folder / "predictions").iterdir()] == [f"{image.stem}_mask.png"]
 
 
@@ -366,7 +385,9 @@ def test_the_serving_file_runs_on_its_own_as_the_recipe_runs_it(
     monkeypatch.setattr(sys, "argv", ["recipes/unet_predict.py", "--epochs", "2"])
     try:
         with pytest.raises(SystemExit) as stopped:
-            run_serving(serving.serve, serving.Config, recipe="unet", script=serving.__file__)
+            run_serving(
+                serving.serve, serving.ServingConfig, recipe="unet", script=serving.__file__
+            )
     finally:
         gc.unfreeze()  # run() froze what this process had made, as a process's end does
     assert stopped.value.code == 2
