@@ -15,12 +15,8 @@ from PIL import Image
 
 from common.config import require
 from common.data import DataError, TableRows, open_image
+from common.segmentation import pairs  # ADAPT: with list_pairs()
 from common.segmentation.data import MaskClasses, parse_values, read_class_names, value_count
-from common.segmentation.pairs import (  # ADAPT: with list_pairs()
-    folder_splits,
-    layout_hint,
-    table_splits,
-)
 
 SHAPES = "data/shapes"  # the default data, made by `make data/shapes` (scripts/make_shapes.py)
 
@@ -39,7 +35,7 @@ def list_pairs(cfg):
             f"imgs/NAME.*, or name the folders with --images and --masks"
         )
     if cfg.images or (root / "imgs").is_dir():
-        return folder_splits(
+        return pairs.folder_splits(
             cfg.images or root / "imgs",
             cfg.masks or root / "masks",
             mask_name=cfg.mask_name,
@@ -56,9 +52,9 @@ def list_pairs(cfg):
         )
     if root.is_dir() and not any(root.rglob("*.parquet")):  # a folder of another layout
         raise DataError(
-            f"{root} is neither imgs/ with masks/ nor parquet files: {layout_hint(root)}"
+            f"{root} is neither imgs/ with masks/ nor parquet files: {pairs.layout_hint(root)}"
         )
-    return table_splits(
+    return pairs.table_splits(
         cfg.dataset,
         [cfg.train_split, cfg.val_split],
         [cfg.image_column, cfg.mask_column],

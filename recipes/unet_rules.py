@@ -3,7 +3,7 @@ unet.py: the settings' checks, the auto rules (hflip, zoom, copy_paste, class_we
 rest that the data decides), what overfit_batches turns off, and the lines that the start-up
 prints under its first (augmentation, dice, the data's notes) and the overfit check's verdict.
 
-A copy may keep this file as it is, edit its rules, or drop it: unet.py imports check_settings,
+A copy may keep this file as it is, edit its rules, or replace it: unet.py imports check_settings,
 image_size, resolved, class_weights, flips_to_average, OVERFIT, start_up_notes and
 overfit_verdict from it, each of which a plain value or function can replace.
 """

@@ -64,7 +64,7 @@ def test_a_copy_with_its_own_model_is_a_working_template(tiny_mnist, tmp_path):
         )
         serving = load_recipe(f"{copy.stem}_predict")
         argv = ["--predict", str(digits / "*.png"), "--weights", str(weights)]
-        serving.serve(parse_config(serving.Config, argv))
+        serving.serve(parse_config(serving.ServingConfig, argv))
     assert read_metrics(tmp_path / "one")[0]["eval_samples"] == N_TEST
     assert set(load_file(weights)) == {"fc.weight", "fc.bias"}
     with open(weights.parent / "predictions.csv", newline="") as f:  # beside the weights
