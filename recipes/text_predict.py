@@ -56,7 +56,7 @@ from text import (  # ADAPT: your recipe (its model and data come with it)
 class ServingConfig(Config):
     # Predict (text_predict.py "mail/*.txt" --weights FILE): a CSV row per file.
     top_k: int = 1  # the most likely classes per file, each with its probability
-    predict_csv: str = ""  # where the CSV goes; empty: output_dir/predictions.csv
+    predict_csv: str = ""  # where the CSV goes; empty: predictions.csv beside the weights
 
     def validate(self):
         super().validate()
@@ -131,7 +131,7 @@ def predict(cfg, accelerator):
                 rows[i] = row
     header = ["file", "label", "probability"]
     header += [f"{c}_{i}" for i in range(2, cfg.top_k + 1) for c in ("label", "probability")]
-    path = cfg.predict_csv or Path(cfg.output_dir) / "predictions.csv"
+    path = cfg.predict_csv or Path(cfg.weights).parent / "predictions.csv"  # beside the weights
     ordered = [rows[i] for i in sorted(rows)]  # this process's files, in their sorted order
     count = write_csv(accelerator, ordered, path, header=header)  # gathered in order, written once
     accelerator.print(f"wrote {count} predictions to {path}")

@@ -5,6 +5,7 @@ weights. What a launch adds nothing to is checked in this process: bad data stop
 
 import ast
 import csv
+import shutil
 
 import pytest
 import torch
@@ -104,12 +105,11 @@ def test_predict_writes_a_row_per_file_from_the_weights_alone(
     for path in files:
         (mail / path.name).write_bytes(path.read_bytes())
     serving = recording_copy.with_name(f"{recording_copy.stem}_predict.py")
-    csv_path = tmp_path / "predictions.csv"
-    res = launch(
-        [serving, "--weights", out / "model.safetensors", mail / "*.txt"]
-        + ["--predict_csv", csv_path],
-        launcher="python",
-    )
+    weights = tmp_path / "model-a" / "model.safetensors"  # the CSV goes beside the weights
+    weights.parent.mkdir()
+    shutil.copy(out / "model.safetensors", weights)
+    csv_path = weights.parent / "predictions.csv"
+    res = launch([serving, "--weights", weights, mail / "*.txt"], launcher="python")
     assert_ok(res)
     with open(csv_path, newline="") as f:
         rows = list(csv.reader(f))
