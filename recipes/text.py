@@ -50,7 +50,7 @@ from common.determinism import set_deterministic
 from common.ema import EMA
 from common.evaluation import ExactSums, evaluation_model
 from common.metrics import peak_memory_mb, reset_peak_memory
-from common.outputs import open_run
+from common.outputs import open_run, write_csv
 from common.progress import Progress
 from common.runtime import hand_over, run
 from common.signals import catch_stop_signals
@@ -386,6 +386,15 @@ def evaluate_with_average(model, ema, loader, accelerator):
     return result
 
 
+def write_test_documents(accelerator, data, path):
+    """The documents that the run evaluates on, a CSV row each (document, label), so that another
+    model can be trained and tested on the same split (a folder's split is by content)."""
+    labels = data.test_set.labels.tolist()
+    rows = [[name, data.classes[y]] for name, y in zip(data.test_set.names, labels)]
+    mine = rows if accelerator.is_main_process else []  # every process has them all
+    write_csv(accelerator, mine, path, header=["document", "label"])  # a collective
+
+
 def main(cfg):
     # 1. Runtime: processes and precision come from the accelerate config.
     if cfg.predict or cfg.export or cfg.check_data:  # from a --config file: the serving file's
@@ -399,6 +408,7 @@ def main(cfg):
     # stops all alike); the loaders deal the batches out by length.
     cfg, data, train_loader, test_loader = settle(cfg, accelerator, checkpoint)
     metrics = start_logging(accelerator, cfg, NAME, checkpoint=checkpoint)
+    write_test_documents(accelerator, data, out / "test_documents.csv")  # the split, for a baseline
 
     # 3. Model, optimizer and schedule.
     settings = model_settings(cfg)

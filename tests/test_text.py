@@ -59,7 +59,9 @@ def two_processes(recording_copy, text_corpus, tmp_path_factory):
     return out, batches(ids, 2), output
 
 
-def test_two_processes_train_every_document_once_an_epoch_and_evaluate_each_once(two_processes):
+def test_two_processes_train_every_document_once_an_epoch_and_evaluate_each_once(
+    two_processes, text_corpus
+):
     out, (rank0, rank1), output = two_processes
     assert "2 process(es) on cpu, gloo" in output and "formed by length" in output, output
     rows = read_metrics(out)
@@ -79,6 +81,12 @@ def test_two_processes_train_every_document_once_an_epoch_and_evaluate_each_once
     assert all(r["padding"] < 0.1 for r in rows), rows  # batches by length pad little
     assert rows[-1]["accuracy"] > 0.8, rows  # the classes' words are learnt
     assert (out / "model.safetensors").is_file() and (out / "best.safetensors").is_file()
+    # The documents it evaluated on, once each, so that a baseline can use the same split.
+    with open(out / "test_documents.csv", newline="") as f:
+        header, *listed = list(csv.reader(f))
+    tested = sorted((text_corpus / "test").rglob("*.txt"))
+    assert header == ["document", "label"]
+    assert sorted(listed) == sorted([str(p), p.parent.name] for p in tested)
 
 
 def test_a_mid_epoch_checkpoint_resumes_bit_exact(
