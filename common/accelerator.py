@@ -84,6 +84,14 @@ def build_accelerator(
     return accelerator
 
 
+def launcher():
+    """The launcher that started this process, by what it puts in the environment: "accelerate
+    launch" (it sets ACCELERATE_MIXED_PRECISION), "torchrun", or None (python alone)."""
+    if "ACCELERATE_MIXED_PRECISION" in os.environ:
+        return "accelerate launch"
+    return "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
 def launched_processes():
     """The number of processes the launcher started (1 without one), before any Accelerator."""
     return int(os.environ.get("WORLD_SIZE", "1"))

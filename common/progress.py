@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from accelerate.utils import broadcast
 
+from common.accelerator import launcher
 from common.metrics import Throughput, TrainLoss, peak_memory_mb, reset_peak_memory
 from common.outputs import training_started
 from common.signals import stop_requested
@@ -205,7 +206,10 @@ class Progress:
         """The line that ends a run stopped before its last epoch: by Ctrl-C or SIGTERM (and how
         to go on), or by early stopping; None otherwise."""
         if self.interrupted:
-            return f"stopped at step {self.step}; continue with --resume latest"
+            line = f"stopped at step {self.step}; continue with --resume latest"
+            if name := launcher():  # it reports the stop after this line, as a failure
+                line += f" ({name}'s traceback below reports this stop: nothing else went wrong)"
+            return line
         if self.out_of_patience:
             return (
                 f"stopped early: no better {self.metric} in {self.cfg.early_stop_patience} "

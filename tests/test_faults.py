@@ -142,8 +142,15 @@ def test_ctrl_c_with_dataloader_workers_checkpoints_and_resumes_bit_exactly(
         command(launcher, nproc, [*args, "--output_dir", split]), split, signal.SIGINT, True
     )
     step = stopped_step(out, split, nproc)
-    # python exits 130 (128 + SIGINT); a launcher reports its own status after the recipe's line.
+    # python exits 130 (128 + SIGINT); a launcher reports its own status after the recipe's line,
+    # which says so (docs/errors.md).
     assert code == (130 if launcher == "python" else 1), out[-3000:]
+    line = f"stopped at step {step}; continue with --resume latest"
+    if launcher == "python":
+        assert f"{line}\n" in out, out[-3000:]
+    else:
+        note = f"{line} (accelerate launch's traceback below reports this stop: nothing else"
+        assert note in out and out.index(note) < out.rindex("Traceback"), out[-3000:]
     if launcher == "python":
         # The stop's checkpoint is written as every checkpoint is (Progress.checkpoint_due), and
         # resumes bit-exactly: on 2 processes below, and in test_unet_training.py's fast tier.
