@@ -157,7 +157,7 @@ def test_batch_mix_shows_batches_by_length_holding_one_class_where_length_tells_
     out = subprocess.run(
         [
             sys.executable,
-            "scripts/batch_mix.py",
+            "scripts/studies/batch_mix.py",
             "--dataset",
             str(tmp_path),
             "--batch_size",
@@ -196,8 +196,17 @@ def test_train_batches_by_class_pads_short_ham_to_long_spam_where_the_recipe_doe
     padding = {}
     for batches in ("recipe", "by_class"):
         res = launch(
-            ["scripts/train_batches.py", "--batches", batches, "--dataset", tmp_path / "data"]
-            + ["--output_dir", tmp_path / batches, "--epochs", 1, "--batch_size", 8]
+            ["scripts/studies/train_batches.py", "--batches", batches]
+            + [
+                "--dataset",
+                tmp_path / "data",
+                "--output_dir",
+                tmp_path / batches,
+                "--epochs",
+                1,
+                "--batch_size",
+                8,
+            ]
             + ["--max_length", 1024, "--num_workers", 0],
             env={"OMP_NUM_THREADS": "1"},
         )

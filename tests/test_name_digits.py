@@ -1,5 +1,6 @@
-"""scripts/name_digits.py, the classifier that docs/learning.md holds the U-Net's naming of the
-digits against: it crops every digit of the recipe's split, trains, and reports each epoch."""
+"""scripts/studies/name_digits.py, the classifier that docs/learning.md holds the U-Net's naming
+of the digits against: it crops every digit of the recipe's split, trains, and reports each
+epoch."""
 
 import os
 import re
@@ -24,7 +25,7 @@ def test_name_digits_crops_each_digit_of_the_recipes_split_and_reports_every_epo
     res = subprocess.run(
         [
             sys.executable,
-            REPO / "scripts" / "name_digits.py",
+            REPO / "scripts" / "studies" / "name_digits.py",
             *("--dataset", data, "--size", "48", "--base_channels", "4", "--epochs", "2"),
         ],
         capture_output=True,

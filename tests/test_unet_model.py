@@ -20,7 +20,7 @@ from common.config import UserError
 from unet_model import ResNetUNet, UNet, load_encoder_weights
 
 RECIPE = "recipes/unet.py"
-sys.path.append(str(REPO / "scripts"))  # after everything else: it shadows nothing
+sys.path.append(str(REPO / "scripts" / "studies"))  # after everything else: shadows nothing
 from activation_memory import saved_activation_bytes  # noqa: E402
 
 MODELS = {

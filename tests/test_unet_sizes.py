@@ -25,7 +25,7 @@ from common.data import DataError
 from common.segmentation import data as segmentation_data
 from unet import read_trained
 
-sys.path.append(str(REPO / "scripts"))  # activation_memory.py, after everything else
+sys.path.append(str(REPO / "scripts" / "studies"))  # activation_memory.py, after all else
 
 RECIPE = "recipes/unet.py"
 

@@ -1,9 +1,9 @@
 """What grad_checkpointing saves and costs: activation memory and step time of the U-Nets; and
 what evaluation takes against a training step.
 
-    python scripts/activation_memory.py                   # batch 8 of 3x256x256, fp32, CPU
-    python scripts/activation_memory.py --size 128 --batch 4 --reps 5
-    python scripts/activation_memory.py --evaluation 4,8,16 --batch 4 --size 640 --width 960
+    python scripts/studies/activation_memory.py                   # batch 8 of 3x256x256, fp32, CPU
+    python scripts/studies/activation_memory.py --size 128 --batch 4 --reps 5
+    python scripts/studies/activation_memory.py --evaluation 4,8,16 --batch 4 --size 640 --width 960
 
 For each model (recipes/unet_model.py: the classic UNet at base_channels 64 and 16, ResNetUNet
 with resnet34 at 16), without and with grad_checkpointing, one training forward pass is
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "recipes")]  # common/ and the recipes' unet_model
 
 import torch

@@ -1,7 +1,7 @@
 """The text recipe trained on other batches than its own: what a batch's make-up costs in accuracy.
 
-    python scripts/train_batches.py --batches by_class --seed 1      # then recipes/text.py's flags
-    python scripts/train_batches.py --batches per_octave=8 --seed 1
+    python scripts/studies/train_batches.py --batches by_class --seed 1  # then text.py's flags
+    python scripts/studies/train_batches.py --batches per_octave=8 --seed 1
 
 Runs recipes/text.py as it is, with one change: the sizes by which its training sampler
 (common.sampler.GlobalBucketSampler) sorts the documents into batches. The loader, the model, the
@@ -18,7 +18,7 @@ loop and the padding are the recipe's (a batch is padded to its longest document
 - shuffled:     every size the same: shuffled batches, each padded to its longest document, as
                 issue #48's classic padded loop has them (with the recipe's loop around them).
 
-scripts/batch_mix.py shows these batches' padding and class mix without training.
+scripts/studies/batch_mix.py shows these batches' padding and class mix without training.
 """
 
 import sys
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "recipes"), str(REPO)]
 import text  # noqa: E402
 from common.runtime import run  # noqa: E402

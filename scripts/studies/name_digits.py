@@ -1,8 +1,9 @@
 """How well can the U-Net's encoder name the digits of a shape-coded set when it is told where
 each one is? A classifier on crops, held against the U-Net's own naming (docs/learning.md).
 
-    python scripts/name_digits.py --dataset data/digits_shape
-    python scripts/name_digits.py --dataset data/digits_shape2 --base_channels 32 --epochs 60
+    python scripts/studies/name_digits.py --dataset data/digits_shape
+    python scripts/studies/name_digits.py --dataset data/digits_shape2 --base_channels 32 \
+        --epochs 60
 
 The encoder is recipes/unet.py's own (unet_model.py's build_unet: its first level and the 4 levels
 down, at --base_channels), then an average over the positions and a linear layer to the 10 digits.
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 import torchvision.transforms.functional as TF
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "recipes"), str(REPO)]
 
 from common.segmentation.pairs import folder_splits  # noqa: E402

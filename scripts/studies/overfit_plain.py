@@ -1,8 +1,8 @@
 """The plain PyTorch loop that `--overfit_batches` is held against: can the U-Net memorise a few
 images at all, with nothing of the recipe around it?
 
-    python scripts/overfit_plain.py --dataset data/digits_shape --ignore_index 255
-    python scripts/overfit_plain.py --dataset data/digits_shape --ignore_index 255 --lr 1e-3
+    python scripts/studies/overfit_plain.py --dataset data/digits_shape --ignore_index 255
+    python scripts/studies/overfit_plain.py --dataset data/digits_shape --ignore_index 255 --lr 1e-3
 
 The same U-Net as recipes/unet.py (recipes/unet_model.py, --base_channels), on the first --images
 training images of the recipe's split (common/segmentation/pairs.py: the images --overfit_batches
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "recipes"), str(REPO)]
 
 from common.segmentation.pairs import folder_splits  # noqa: E402

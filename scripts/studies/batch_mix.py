@@ -1,7 +1,7 @@
 """How far batches by length lean to one class, against their padding: no training.
 
-    python scripts/batch_mix.py                      # data/spam (make data/spam), 8,192 bytes
-    python scripts/batch_mix.py --dataset DIR --max_length 2048 --pools 20,100
+    python scripts/studies/batch_mix.py                  # data/spam (make data/spam), 8,192 bytes
+    python scripts/studies/batch_mix.py --dataset DIR --max_length 2048 --pools 20,100
 
 Reads the lengths in bytes of DIR/train/<class>/* (the text recipe's default input, cut at
 max_length) and forms 3 epochs of batches of batch_size documents these ways:
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from common.sampler import GlobalBucketSampler, rounded_lengths  # noqa: E402
 
