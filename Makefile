@@ -18,10 +18,12 @@ venv: $(BIN)/.installed  ## create .venv from requirements*.txt (done by the oth
 
 # The demos start afresh each time: a run into a folder with checkpoints would stop (the recipes
 # refuse to mix two runs), so they remove their own output folder first.
+# One thread, as the start-up's note advises on busy cores: 3.5 times faster there; on idle
+# ones MNIST's part takes 25 s instead of 16 (docs/performance.md).
 demo: $(BIN)/.installed  ## train MNIST on the shipped 4000-digit sample, then a U-Net on data/shapes, on the CPU
 	rm -rf $(DEMO_OUT)
-	$(BIN)/accelerate launch -q --config_file accelerate_configs/cpu.yaml recipes/mnist.py \
-		--dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)
+	$(BIN)/accelerate launch -q --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \
+		recipes/mnist.py --dataset data/mnist_sample --epochs 4 --output_dir $(DEMO_OUT)
 	@$(MAKE) --no-print-directory demo-unet
 
 # One thread: two threads slow convolutions this small down on 2 cores (docs/performance.md).
