@@ -48,7 +48,7 @@ from common.determinism import set_deterministic
 from common.ema import EMA
 from common.evaluation import ExactSums, evaluation_model
 from common.metrics import peak_memory_mb, reset_peak_memory
-from common.outputs import open_run
+from common.outputs import open_run, write_csv
 from common.progress import Progress
 from common.runtime import hand_over, run
 from common.schedule import HeldCosine
@@ -402,6 +402,7 @@ def main(cfg):
     flips = flips_to_average(cfg, trained["flips"] if trained and cfg.eval_only else trained_flips)
     train_loader, val_loader = data.train_loader, data.val_loader
     metrics = start_logging(accelerator, cfg, NAME, checkpoint=checkpoint)  # config.yaml too
+    write_val_images(accelerator, val_loader.dataset.pairs, out / "val_images.csv")  # the split
 
     # 3. Model, optimizer and schedule.
     settings = {k: getattr(cfg, k) for k in MODEL_SETTINGS}
@@ -645,6 +646,13 @@ def save(accelerator, cfg, *, progress, scheduler, classes):
         data_order=DATA_ORDER,
         **same_classes(classes),
     )
+
+
+def write_val_images(accelerator, pairs, path):
+    """The pairs that the run evaluates on, a CSV row each (image, mask), so that another model
+    can be trained and tested on the same split (val_fraction holds out a fixed share)."""
+    mine = pairs.files() if accelerator.is_main_process else []  # every process has them all
+    write_csv(accelerator, mine, path, header=["image", "mask"])  # a collective
 
 
 def same_classes(classes):

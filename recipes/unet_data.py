@@ -168,6 +168,12 @@ class Pairs:
         *pair, name = self.listed[i]
         return (*read_pair(*pair, name), name)
 
+    def files(self):
+        """Each pair as [image, mask]: their paths, or a table's row (and no mask file)."""
+        if isinstance(self.listed, TableRows):
+            return [[f"{self.listed.where} row {i}", ""] for i in range(len(self.listed))]
+        return [[str(image), str(mask)] for image, mask, _ in self.listed]
+
     def identity(self):
         """What fixes the pairs' contents, for the cache: each file's path, size and time of
         change, or the datasets split's fingerprint (derived from its files or hub revision)."""

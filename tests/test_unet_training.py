@@ -2,11 +2,13 @@
 scripts/make_shapes.py: what a run learns and writes on 1 and 2 processes, exact evaluation, the
 schedule, bit-identical resume, bucket_by_size, the images' channels, and bad settings."""
 
+import csv
 import json
 import math
 import re
 import shutil
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -77,6 +79,13 @@ def test_single_process_learns_and_writes_the_output_contract(trained_unet, shap
     # evaluation's, read after training's, is never below it (on a GPU each is its own).
     assert all(r["eval_peak_memory_mb"] >= r["peak_memory_mb"] > 0 for r in rows)
     assert rows[-1]["world_size"] == 1 and rows[-1]["eval_samples"] == N_VAL
+    # The pairs it evaluated on, once each, so that another model can use the same split.
+    with open(out / "val_images.csv", newline="") as f:
+        header, *listed = list(csv.reader(f))
+    assert header == ["image", "mask"] and len({image for image, _ in listed}) == N_VAL
+    for image, mask in listed:
+        assert Path(image).parent == shapes / "imgs" and Path(image).is_file()
+        assert mask == str(shapes / "masks" / f"{Path(image).stem}_mask.png")
     assert rows[-1]["step"] == 10 * math.ceil(N_TRAIN / 8)
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     assert all_background_dice(shapes / "masks") < 0.6  # the best a model that learned nothing does

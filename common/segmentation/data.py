@@ -877,6 +877,9 @@ class FirstPairs:
             raise IndexError(i)
         return self.pairs[i]
 
+    def files(self):
+        return self.pairs.files()[: self.count]
+
     def identity(self):
         return [self.pairs.identity(), self.count]
 
