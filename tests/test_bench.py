@@ -196,3 +196,20 @@ def test_the_unet_bench_builds_the_schedule_the_recipe_names():
         assert type(scheduler) is kind
         if kind is not ReduceLROnPlateau and kind is not ConstantLR:
             assert scheduler.T_max == 20  # fitted to 2 epochs of 10 steps
+
+
+@pytest.mark.slow
+def test_the_text_bench_holds_the_recipe_against_tfidf_on_the_same_split(text_corpus, tmp_path):
+    # What a user would run instead: TF-IDF + a linear SVM on the documents of the recipe's own
+    # split, beside the recipe and the padded loop, with the seconds it took.
+    out = tmp_path / "text.json"
+    args = ["scripts/bench.py", "--recipe", "text", "--dataset", text_corpus, "--reps", 1]
+    args += ["--warmup", 0, "--startup_runs", 0, "--threads", 1, "--json", out]
+    res = launch(args, launcher="python", env={"OMP_NUM_THREADS": "1"})
+    assert_ok(res)
+    report = json.loads(out.read_text())
+    assert set(report["per_variant"]) == {"recipe", "bound", "classic"}
+    baseline = report["tfidf_linear_svm"]
+    assert baseline["accuracy"] > 0.8 and baseline["seconds"] >= 0  # the classes' own words
+    line = f"TF-IDF word 1-2 grams + linear SVM: test accuracy {baseline['accuracy']:.4f}"
+    assert line in res.output and line in out.with_suffix(".md").read_text()
