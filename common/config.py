@@ -264,8 +264,16 @@ def parse_config(cls, argv=None, positional=None):
         raise ShowHelp(help_text(cls))
     fields = {f.name: f for f in dataclasses.fields(cls)}
     pairs = _split_argv(argv, positional)
+    # A training Config's SERVING_SETTINGS: the settings its serving file holds ({name: file}),
+    # which a config.yaml of an older run may still list (they train nothing: skipped there).
+    serving = {n: f for n, f in getattr(cls, "SERVING_SETTINGS", {}).items() if n not in fields}
 
     def check_name(name, source):
+        if name in serving:
+            raise ConfigError(
+                f"{name} is a setting of {serving[name]} (predict, export, the data check): add "
+                f"--predict, --export or --check_data, or run {serving[name]}"
+            )
         if name not in fields:
             hint = _hint(name, fields)
             raise ConfigError(
@@ -280,6 +288,8 @@ def parse_config(cls, argv=None, positional=None):
         if config_files[0] is None:
             raise ConfigError("--config needs a path to a YAML file")
         for name, value in read_yaml(config_files[0]).items():
+            if name in serving:
+                continue
             check_name(name, config_files[0])
             kind, optional = _field_type(cls, fields[name])
             where = f"{name} in {config_files[0]}"

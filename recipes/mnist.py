@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
+from typing import ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find common/ when run as a script
 
@@ -84,7 +85,9 @@ class Config(RunConfig):
     seed: int = 1  # model init and data order; same seed, same run
     num_workers: int = 0  # DataLoader workers per process; the data is already decoded in memory
     data_on_device: bool = True  # keep the decoded images on the GPU and gather batches there
-    # Predict, export and the data check: mnist_predict.py, with settings of its own.
+    # Predict, export and the data check: mnist_predict.py, with settings of its own, which a
+    # config.yaml of an earlier run may still hold (top_k, predict_csv); training skips them.
+    SERVING_SETTINGS: ClassVar[dict] = dict.fromkeys(("top_k", "predict_csv"), SERVING.name)
 
     def validate(self):
         super().validate()

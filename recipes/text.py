@@ -17,6 +17,7 @@ import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
@@ -110,7 +111,9 @@ class Config(RunConfig):
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
     seed: int = 0  # model init and data order; same seed, same run
     num_workers: int = 0  # DataLoader workers per process; the documents are in memory already
-    # Predict, export and the data check: text_predict.py, with settings of its own.
+    # Predict, export and the data check: text_predict.py, with settings of its own, which a
+    # config.yaml of an earlier run may still hold (top_k, predict_csv); training skips them.
+    SERVING_SETTINGS: ClassVar[dict] = dict.fromkeys(("top_k", "predict_csv"), SERVING.name)
     predict: str | None = None  # documents (a glob) to label with --weights, by text_predict.py
 
     def validate(self):

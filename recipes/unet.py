@@ -16,6 +16,7 @@ unet_rules.py's. Copy these files to start your own recipe (`make copy RECIPE=un
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import ClassVar
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
@@ -160,8 +161,11 @@ class Config(ModelConfig, RunConfig):  # ModelConfig: the model's settings, in u
     best_metric: str = "miou"  # miou or dice: picks best.safetensors, early stops, plateau's lr
     seed: int = 0  # model init, data order and augmentation; same seed, same run
     log_every: int = 20  # optimizer steps between logged scalars; image panels at every eval
-    # Predict, export and the data check: unet_predict.py, with settings of its own. These two
-    # are evaluation's too, of training and eval_only (common/segmentation/inference.py):
+    # Predict, export and the data check: unet_predict.py, with settings of its own, which a
+    # config.yaml of an earlier run may still hold (predict_dir, overlay); training skips them.
+    SERVING_SETTINGS: ClassVar[dict] = dict.fromkeys(("predict_dir", "overlay"), SERVING.name)
+    # Two of predict's settings are evaluation's too, of training and eval_only
+    # (common/segmentation/inference.py):
     predict_tile: int = 0  # run the model on overlapping tiles of this size, blended; 0: whole
     predict_flip: bool = False  # average the logits of the image and its flips seen in training
 

@@ -355,3 +355,22 @@ def test_help_lists_every_setting_and_exits_0_without_importing_torchvision():
         "--log_every INT (default: 20)",
     ):  # redeclared in the recipe
         assert line in text, res
+
+
+@pytest.mark.slow
+def test_predicts_settings_are_the_serving_files_and_an_earlier_config_still_trains(
+    mnist, tmp_path
+):
+    # top_k and predict_csv moved to mnist_predict.py: a config.yaml that an earlier run wrote
+    # with them repeats the run, and the command line names the file that takes them.
+    earlier = tmp_path / "config.yaml"
+    earlier.write_text("epochs: 2\ntop_k: 3\npredict_csv: ''\n")
+    assert parse_config(mnist.Config, ["--config", str(earlier)]).epochs == 2
+    with pytest.raises(ConfigError) as e:
+        parse_config(mnist.Config, ["--top_k", "2"])
+    assert str(e.value) == (
+        "top_k is a setting of mnist_predict.py (predict, export, the data check): add "
+        "--predict, --export or --check_data, or run mnist_predict.py"
+    )
+    serving = load_recipe("mnist_predict").ServingConfig  # which takes both
+    assert parse_config(serving, ["--config", str(earlier), "--top_k", "2"]).top_k == 2
