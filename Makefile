@@ -32,11 +32,11 @@ demo-unet: $(BIN)/.installed data/shapes  ## train a small U-Net on the generate
 	$(BIN)/accelerate launch -q --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \
 		recipes/unet.py --dataset data/shapes --base_channels 16 --lr 3e-3 --epochs 6 --output_dir $(UNET_DEMO_OUT)
 
-# Not in `make demo`: its data needs npm once, and 3 epochs take minutes. One epoch at 2 KB.
-demo-text: $(BIN)/.installed data/spam  ## train the text recipe on data/spam for one epoch at max_length 2048, on the CPU
+# Not in `make demo`: its data needs npm once.
+demo-text: $(BIN)/.installed data/spam  ## train the text recipe on data/spam at its defaults, on the CPU (about a minute)
 	rm -rf runs/text-demo
 	$(BIN)/accelerate launch -q --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \
-		recipes/text.py --epochs 1 --max_length 2048 --output_dir runs/text-demo
+		recipes/text.py --output_dir runs/text-demo
 
 # A new study each time (the same command again would continue the finished one: docs/sweeps.md).
 demo-sweep: $(BIN)/.installed  ## an Optuna sweep: 8 MNIST trials over lr and batch size, losers pruned (~2 min on the CPU)
@@ -86,6 +86,9 @@ data/spam_groups: scripts/make_spam.py | $(BIN)/.installed  ## the same emails a
 # a folder each: technical documents of very uneven length, for the text recipe.
 data/manpages: scripts/make_manpages.py | $(BIN)/.installed  ## 1,996 manual pages as <section>/*.txt, sections 1 2 3 5 7 8 (23 MB)
 	$(BIN)/python scripts/make_manpages.py --out $@
+
+data/pysources: scripts/make_pysources.py | $(BIN)/.installed  ## 2,100 Python files of 7 installed libraries as <library>/*.py (40 MB)
+	$(BIN)/python scripts/make_pysources.py --out $@
 
 demo-ddp: $(BIN)/.installed  ## the MNIST demo with 2 processes (2 GPUs, or 2 CPU processes over gloo)
 	rm -rf $(DEMO_OUT)-ddp

@@ -521,7 +521,10 @@ class RunConfig:
             self.num_workers >= lowest,
             f"num_workers must be at least {lowest}, got {self.num_workers}",
         )
-        require(self.lr > 0, f"lr must be positive, got {self.lr}")
+        if type(self).lr == 0:  # a recipe whose lr 0 is its model's own
+            require(self.lr >= 0, f"lr must be positive (0: the model's own), got {self.lr}")
+        else:
+            require(self.lr > 0, f"lr must be positive, got {self.lr}")
         require(
             not (self.weights and self.resume),
             "weights and resume both load a model: pass one of them",

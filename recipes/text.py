@@ -68,11 +68,14 @@ from text_data import list_documents  # ADAPT: your data
 from text_model import (  # ADAPT: your model
     MODEL_SETTINGS,
     PAD_MULTIPLE,
+    Bag,
+    LazyAdamW,
     Tokenizer,
     build_model,
     check_model_settings,
     describe_model,
     encoder_config,
+    learning_rate,
 )
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
@@ -91,21 +94,24 @@ class Config(RunConfig):
     val_fraction: float = 0.2  # the share held out, by a hash of each document's content
     output_dir: str = f"runs/{NAME}"  # config.yaml, metrics.jsonl, weights, checkpoints/
     # Input and model (text_model.py); the weights file records them, predict rebuilds them.
-    tokenizer: str = "bytes"  # bytes: any encoding, no vocabulary; bpe: subwords (tokenizers)
-    vocab_size: int = 8000  # bpe: the subwords, trained on the training split
-    max_length: int = 8192  # tokens (bytes) kept of each document, its start; 0: whole documents
-    model: str = "cnn"  # cnn: ByteCNN; transformer: a small encoder; pretrained (docs/text.md)
+    model: str = "bag"  # bag: word n-grams; cnn: ByteCNN; transformer; pretrained (docs/text.md)
+    tokenizer: str = "auto"  # auto: words for the bag, bytes for cnn and transformer; or bpe
+    vocab_size: int = 0  # words: n-grams at most (0: 1,000,000); bpe: subwords (0: 8,000)
+    max_length: int = 8192  # of each document its first bytes (tokens, for bpe); 0: whole
     pretrained: str = ""  # model pretrained: a Hugging Face encoder, hub name or folder
-    width: int = 64  # channels (cnn) or model dimension (transformer, a multiple of 32)
+    width: int = 64  # embedding (bag), channels (cnn) or model dimension (transformer: 32 x k)
     depth: int = 2  # convolutions (cnn) or encoder layers (transformer)
     dropout: float = 0.1
-    # Batches: documents of similar lengths, padded to the batch's longest.
-    max_batch_tokens: int = 0  # padded tokens per process batch; 0: batch_size x max_length
+    # Batches: documents of similar lengths, padded to the batch's longest. global_batch_size:
+    # the same optimizer steps on 1 process or 8 (each takes its share, batch_size at most, and
+    # accumulates the rest), so a second GPU trains the same steps in about half the time.
+    global_batch_size: int = 32  # documents per optimizer step; 0: batch_size per process
+    max_batch_tokens: int = 0  # global_batch_size 0: tokens a batch (0: batch_size x max_length)
     # Training.
-    epochs: int = 3
-    batch_size: int = 32  # documents per process batch, at most (global_batch_size: at most)
+    epochs: int = 5
+    batch_size: int = 32  # documents per process batch, at most
     eval_batch_size: int = 64  # documents per process batch in evaluation, at most
-    lr: float = 2e-3  # AdamW learning rate
+    lr: float = 0.0  # AdamW learning rate; 0: the model's (bag 3e-2, cnn and transformer 2e-3)
     weight_decay: float = 0.01  # AdamW weight decay
     scheduler: str = "cosine"  # cosine: to 0 at the last step; constant
     grad_clip: float = 1.0  # clip the gradient norm to this; 0: no clipping
@@ -132,8 +138,8 @@ class Config(RunConfig):
         )
         require(
             not (self.global_batch_size and self.max_batch_tokens),
-            "global_batch_size counts documents, max_batch_tokens tokens: set one (batch_size caps "
-            "the documents of a process's batch)",
+            "global_batch_size counts documents, max_batch_tokens tokens: set one (with "
+            "--global_batch_size 0, batches of batch_size documents per process at most)",
         )
         check_model_settings(self)  # text_model.py
 
@@ -176,10 +182,9 @@ def load_data(cfg, accelerator, trained=None, checkpoint=None):
         )
     notes = notes + check_splits(train, test, classes)
     tokenizer = make_tokenizer(cfg, accelerator, train.texts, trained, checkpoint)
-    whole = tokenizer.encode(train.texts, whole=True)
-    notes.insert(0, cut_note([len(t) for t in whole], cfg.max_length, tokenizer.unit()))
-    cut = slice(cfg.max_length or None)
-    train_set = TokenSet([t[cut] for t in whole], train.labels, train.names, PAD_MULTIPLE)
+    tokens, lengths = tokenizer.encode_training(train.texts)
+    notes.insert(0, cut_note(lengths, cfg.max_length, tokenizer.cut_unit()))
+    train_set = TokenSet(tokens, train.labels, train.names, PAD_MULTIPLE)
     test_set = TokenSet(tokenizer.encode(test.texts), test.labels, test.names, PAD_MULTIPLE)
     if cfg.overfit_batches:  # can the model learn a few batches? Trained and evaluated on alike
         drawn = np.random.default_rng(cfg.seed).permutation(len(train_set))
@@ -236,6 +241,7 @@ def settle(cfg, accelerator, checkpoint=None):
     trained = read_trained(cfg.weights)  # --weights: its model settings, classes, tokenizer
     if trained:
         cfg = fit_to_record(cfg, trained["model"], MODEL_SETTINGS, path=cfg.weights, inferred=())
+    cfg = replace(cfg, lr=learning_rate(cfg))  # lr 0: the model's
     if cfg.overfit_batches:  # the first batches as they are, at a constant lr
         cfg = replace(cfg, scheduler="constant")
     data = load_data(cfg, accelerator, trained, checkpoint)
@@ -276,7 +282,10 @@ def batches_line(cfg):
 
 
 def make_optimizer(model, cfg, *, lr, accelerator):
-    """AdamW with fused kernels where they work: one update for all the weights (fused_kernels)."""
+    """AdamW with fused kernels where they work: one update for all the weights (fused_kernels).
+    The bag: LazyAdamW, which moves an n-gram's embedding only in the steps that see it."""
+    if isinstance(model, Bag):
+        return LazyAdamW(model.parameter_groups(), lr=lr, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(
         model.parameters(), lr=lr, weight_decay=cfg.weight_decay, fused=fused_kernels(accelerator)
     )
@@ -415,7 +424,7 @@ def main(cfg):
 
     # 3. Model, optimizer and schedule.
     settings = model_settings(cfg)
-    model = build_model(settings, len(data.classes))
+    model = build_model(settings, len(data.classes), data.tokenizer)
     load_weights(model, cfg.weights)  # --weights, if given
     encoder = encoder_config(model)  # before prepare(): for the weights' record
     lr = cfg.scaled_lr(accelerator.num_processes)
@@ -426,8 +435,9 @@ def main(cfg):
     sizes = f"{len(data.train_set)} train / {len(data.test_set)} test documents"
     accelerator.print(
         f"{NAME}: {describe(accelerator, batches_line(cfg), cfg.global_batch_size)}; "
-        f"{describe_model(model, settings)}; AdamW lr {lr:g}; {sizes} of {len(data.classes)} "
-        f"classes ({', '.join(data.classes[:8])}{' ...' * (len(data.classes) > 8)}); "
+        f"{describe_model(model, settings, data.tokenizer)}; AdamW lr {lr:g}; {sizes} of "
+        f"{len(data.classes)} classes ({', '.join(data.classes[:8])}"
+        f"{' ...' * (len(data.classes) > 8)}); "
         f"outputs to {out}/"
     )
     for note in data.notes:

@@ -1,8 +1,13 @@
 """The text recipe's models and input, which recipes/text.py builds from its Config; a copy with
 its own model changes this file.
 
-ByteCNN: the bar that the issue set (#48): an embedding of each token, two convolutions with a
-max pool between them, and the maximum of each channel over the document's positions.
+Bag, the default: fastText's model (Joulin et al. 2017, "Bag of Tricks for Efficient Text
+Classification") with TF-IDF's weights: each word 1-2 gram of a document once, weighted by
+(1 + ln count) x idf, its weights scaled to unit length, the weighted sum of their embeddings,
+and a linear layer. It reads the words tokenizer's ids.
+
+ByteCNN: an embedding of each token, two convolutions with a max pool between them, and the
+maximum of each channel over the document's positions.
 
 Transformer: a small pre-norm encoder; on bytes it reads `patch` bytes per position (a strided
 convolution), so that a document of 8,192 bytes is 1,024 positions.
@@ -11,14 +16,17 @@ PretrainedEncoder: a Hugging Face encoder by name or folder (AutoModelForSequenc
 the `transformers` package), fine-tuned, with its own tokenizer.
 
 All ignore padding exactly: the logits of a document are the same alone and in a padded batch
-(token 0 is padding, never a byte or a subword), so bucketed and padded batches, evaluation and
-predict agree. The input: `Tokenizer` turns documents (bytes) into token ids, raw bytes by
-default, or subwords of a BPE vocabulary trained on the training split (the `tokenizers`
-package), or the pretrained encoder's own; the weights file records it.
+(token 0 is padding, never a byte, a subword or an n-gram), so bucketed and padded batches,
+evaluation and predict agree. The input: `Tokenizer` turns documents (bytes) into token ids:
+word 1-2 grams of a vocabulary made from the training split, for the bag; raw bytes, or
+subwords of a BPE vocabulary trained on the training split (the `tokenizers` package), for the
+CNN and the transformer; or the pretrained encoder's own. The weights file records it.
 """
 
 import importlib
 import json
+import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +41,16 @@ from common.data import looks_like_path
 # so that predict and export rebuild both without flags.
 MODEL_SETTINGS = ("model", "pretrained", "tokenizer", "vocab_size", "max_length", "width", "depth")
 MODEL_SETTINGS += ("dropout",)
-MODELS = ("cnn", "transformer", "pretrained")
-TOKENIZERS = ("bytes", "bpe")
+MODELS = ("bag", "cnn", "transformer", "pretrained")
+TOKENIZERS = ("auto", "words", "bytes", "bpe")  # auto: words for the bag, else bytes
+# lr 0 takes the model's: the bag's and the CNN's measured (docs/text.md); the pretrained
+# encoder's the usual rate for fine-tuning one.
+LEARNING_RATES = {"bag": 3e-2, "cnn": 2e-3, "transformer": 2e-3, "pretrained": 5e-5}
+SUBWORDS = 8000  # bpe with vocab_size 0
+MOST_GRAMS = 1_000_000  # words with vocab_size 0: the n-grams of 2 training documents or more
+# The words tokenizer's ids: an n-gram's number x COUNTS + its count in the document (at most
+# COUNTS - 1), each n-gram of a document once; 0 (no n-gram, no count) is padding.
+COUNTS = 256
 PATCH = 8  # transformer on bytes: bytes per position
 PAD = 0  # the padding token
 # Batches are padded to a multiple of this many tokens: a transformer's patches come out whole
@@ -48,6 +64,16 @@ def check_model_settings(cfg):
     require(
         cfg.tokenizer in TOKENIZERS,
         f"tokenizer must be {' or '.join(TOKENIZERS)}, got {cfg.tokenizer!r}",
+    )
+    words = tokenizer_of(vars(cfg)) == "words"
+    require(
+        (cfg.model == "bag") == words or cfg.model == "pretrained",
+        f"model {cfg.model} reads "
+        + (
+            "word n-grams: use --tokenizer words or auto"
+            if cfg.model == "bag"
+            else "bytes or bpe subwords, not word n-grams: use --tokenizer bytes, bpe or auto"
+        ),
     )
     require(cfg.width >= 8 and cfg.depth >= 1, "width must be at least 8 and depth at least 1")
     require(0 <= cfg.dropout < 1, f"dropout must be in [0, 1), got {cfg.dropout}")
@@ -63,8 +89,12 @@ def check_model_settings(cfg):
         f"the transformer's width must be a multiple of 32 (heads of 32), got {cfg.width}",
     )
     require(
-        cfg.tokenizer != "bpe" or cfg.vocab_size >= 300,
+        cfg.tokenizer != "bpe" or cfg.vocab_size >= 300 or not cfg.vocab_size,
         f"vocab_size must be at least 300 for bpe (256 bytes and merges), got {cfg.vocab_size}",
+    )
+    require(
+        cfg.vocab_size >= 0,
+        f"vocab_size must be 0 (the tokenizer's own) or more, got {cfg.vocab_size}",
     )
     require(
         (cfg.model == "pretrained") == bool(cfg.pretrained),
@@ -73,19 +103,34 @@ def check_model_settings(cfg):
     )
 
 
-def build_model(settings, num_classes, encoder=None):
-    """The model that `settings` (MODEL_SETTINGS) describe, with an output per class. encoder:
-    a pretrained encoder's configuration (JSON, encoder_config()) to build it from, with no
-    download (predict, export); None: model pretrained loads it and its weights by name."""
-    vocab = Tokenizer.vocab_of(settings)
+def tokenizer_of(settings):
+    """The input that `settings` name: tokenizer auto is words for the bag, bytes otherwise."""
+    if settings["tokenizer"] != "auto":
+        return settings["tokenizer"]
+    return "words" if settings["model"] == "bag" else "bytes"
+
+
+def learning_rate(cfg):
+    """cfg.lr, or with lr 0 the model's (LEARNING_RATES)."""
+    return cfg.lr or LEARNING_RATES[cfg.model]
+
+
+def build_model(settings, num_classes, tokenizer, encoder=None):
+    """The model that `settings` (MODEL_SETTINGS) describe, with an output per class, reading
+    what `tokenizer` makes. encoder: a pretrained encoder's configuration (JSON,
+    encoder_config()) to build it from, with no download (predict, export); None: model
+    pretrained loads it and its weights by name."""
     width, depth, dropout = settings["width"], settings["depth"], settings["dropout"]
+    if settings["model"] == "bag":
+        return Bag(tokenizer.idf(), num_classes, width, dropout)
+    vocab = Tokenizer.vocab_of(settings)
     if settings["model"] == "cnn":
         return ByteCNN(vocab, num_classes, width, depth, dropout)
     if settings["model"] == "pretrained":
         return PretrainedEncoder(
             settings["pretrained"], num_classes, settings["max_length"], encoder
         )
-    patch = PATCH if settings["tokenizer"] == "bytes" else 1
+    patch = PATCH if tokenizer_of(settings) == "bytes" else 1
     positions = -(-settings["max_length"] // PAD_MULTIPLE) * PAD_MULTIPLE // patch
     return Transformer(vocab, num_classes, width, depth, dropout, positions, patch)
 
@@ -98,6 +143,80 @@ def lengths_of(tokens):
 def within(lengths, size):
     """[N, size] True at each row's positions below its length."""
     return torch.arange(size, device=lengths.device) < lengths[:, None]
+
+
+class Bag(nn.Module):
+    """Each n-gram of a document (the words tokenizer's ids) weighted by (1 + ln count) x idf, the
+    weights scaled to unit length (L2), as TF-IDF weighs them; the weighted sum of the n-grams'
+    embeddings (`width`), dropout, and a linear layer. Padding weighs 0 (its idf is 0). Its cost
+    grows with the document's distinct n-grams, not its length."""
+
+    def __init__(self, idf, num_classes, width=64, dropout=0.1):
+        super().__init__()
+        self.register_buffer("idf", idf, persistent=False)  # the tokenizer's: not a weight
+        self.embed = nn.Embedding(len(idf), width, padding_idx=PAD)
+        nn.init.normal_(self.embed.weight, std=0.1)
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, tokens):
+        grams, counts = tokens // COUNTS, tokens % COUNTS
+        w = (1 + torch.log(counts.clamp(min=1).float())) * self.idf[grams]  # [N, L]
+        w = w / w.norm(dim=1, keepdim=True).clamp(min=1e-12)
+        h = (self.embed(grams) * w[..., None]).sum(1)  # [N, width]
+        return self.head(self.dropout(h))  # logits
+
+    def parameter_groups(self):
+        """For LazyAdamW: the embedding table lazy (a row moves in the steps that see it)."""
+        return [{"params": [self.embed.weight], "lazy": True}, {"params": self.head.parameters()}]
+
+
+class LazyAdamW(torch.optim.Optimizer):
+    """AdamW whose groups marked `lazy` (the bag's embedding table) move a row, and decay its
+    moments, only in the steps whose documents hold it: lazy Adam, as torch's SparseAdam and
+    fastText update, on dense gradients, which DDP reduces on every backend (sparse gradients:
+    gloo only). AdamW would go on moving an n-gram that a step does not see by its momentum.
+    The other groups: AdamW's update."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, {**defaults, "lazy": False})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(
+                        step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
+                    )
+                state["step"] += 1
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                if not group["lazy"]:
+                    adamw(p, p.grad, m, v, state["step"], group)
+                    continue
+                # The rows that the step's documents hold (the same on every process: the
+                # gradients are reduced); the others keep their weights and moments.
+                rows = p.grad.abs().sum(1).nonzero()[:, 0]
+                w, m_rows, v_rows = p[rows], m[rows], v[rows]
+                adamw(w, p.grad[rows], m_rows, v_rows, state["step"], group)
+                p[rows], m[rows], v[rows] = w, m_rows, v_rows
+        return loss
+
+
+def adamw(w, g, m, v, t, group):
+    """AdamW's update of the weights w with their gradient g and moments m, v, in place, at
+    step t (torch.optim.AdamW's arithmetic)."""
+    (beta1, beta2), lr = group["betas"], group["lr"]
+    w.mul_(1 - lr * group["weight_decay"])
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
+    w.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
 
 
 class ByteCNN(nn.Module):
@@ -227,43 +346,71 @@ def encoder_config(model):
 
 # ADAPT: your input: documents (bytes) -> token ids, the same in training, predict and export.
 class Tokenizer:
-    """Documents as token ids, cut at max_length tokens (0: whole). bytes: byte b is token b + 1
-    (any encoding, no vocabulary). bpe: a byte-pair vocabulary of vocab_size subwords trained on
-    the training documents (trained()), over their bytes read as latin-1 (a character per byte,
-    so nothing is undecodable). pretrained: the encoder's own tokenizer, over the text read as
-    UTF-8 (bytes that are not: U+FFFD), its ids plus 1. record() keeps what rebuilds it in the
-    weights file (from_record())."""
+    """Documents as token ids, cut at max_length (0: whole). words: the word 1-2 grams (grams())
+    of the document's first max_length bytes that a vocabulary made from the training documents
+    holds (trained(): those of 2 documents or more, at most vocab_size, the most frequent), each
+    once with its count (COUNTS); the vocabulary's document counts give the idf. bytes: byte b
+    is token b + 1 (any encoding, no vocabulary). bpe: a byte-pair vocabulary of vocab_size
+    subwords trained on the training documents, over their bytes read as latin-1 (a character
+    per byte, so nothing is undecodable). pretrained: the encoder's own tokenizer, over the text
+    read as UTF-8 (bytes that are not: U+FFFD), its ids plus 1. bytes, bpe and pretrained cut
+    at max_length tokens. record() keeps what rebuilds it in the weights file (from_record())."""
 
-    def __init__(self, kind, max_length, subwords=None):
+    def __init__(self, kind, max_length, subwords=None, vocabulary=None):
         self.kind, self.max_length, self.subwords = kind, max_length, subwords
         # As made or read: to_str() of a tokenizer read back need not give the same text.
         self.json = subwords.to_str() if subwords is not None else None
+        if vocabulary is not None:  # words: {"documents": N, "grams": [...], "df": [...]}
+            self.json = json.dumps(vocabulary)
+            self.documents, self.df = vocabulary["documents"], vocabulary["df"]
+            grams = (g.encode("latin-1") for g in vocabulary["grams"])
+            self.index = {g: i for i, g in enumerate(grams, 1)}  # 0: padding
 
     @staticmethod
     def vocab_of(settings):
-        return 257 if settings["tokenizer"] == "bytes" else settings["vocab_size"]
+        return 257 if tokenizer_of(settings) == "bytes" else settings["vocab_size"] or SUBWORDS
+
+    def idf(self):
+        """words: each n-gram's idf as scikit-learn smooths it, ln((1 + N) / (1 + df)) + 1;
+        padding's 0."""
+        df = torch.tensor([0, *self.df], dtype=torch.float64)
+        idf = torch.log((1 + self.documents) / (1 + df)) + 1
+        idf[PAD] = 0
+        return idf.float()
 
     @classmethod
     def trained(cls, settings, texts):
-        """The tokenizer that `settings` name; bpe: trained on `texts`."""
+        """The tokenizer that `settings` name; words and bpe: made from `texts`."""
         if settings["model"] == "pretrained":
             transformers = _package("transformers", "model pretrained")
             name = settings["pretrained"]
             tokenizer = from_pretrained(transformers.AutoTokenizer, name, "the tokenizer")
             return cls("pretrained", settings["max_length"], tokenizer.backend_tokenizer)
-        if settings["tokenizer"] == "bytes":
-            return cls("bytes", settings["max_length"])
+        kind, max_length = tokenizer_of(settings), settings["max_length"]
+        if kind == "bytes":
+            return cls("bytes", max_length)
+        if kind == "words":
+            cut = slice(max_length or None)
+            df = Counter(g for t in texts for g in set(grams(t[cut])))
+            kept = sorted((g for g, n in df.items() if n >= 2), key=lambda g: (-df[g], g))
+            kept = kept[: settings["vocab_size"] or MOST_GRAMS]
+            vocabulary = {
+                "documents": len(texts),
+                "grams": [g.decode("latin-1") for g in kept],  # JSON holds text: a char a byte
+                "df": [df[g] for g in kept],
+            }
+            return cls("words", max_length, vocabulary=vocabulary)
         tokenizers = _package("tokenizers", "tokenizer bpe")
         bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
         bpe.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()  # words, then merges
         trainer = tokenizers.trainers.BpeTrainer(
-            vocab_size=settings["vocab_size"],
+            vocab_size=Tokenizer.vocab_of(settings),
             special_tokens=["<pad>"],  # id 0: PAD
             initial_alphabet=[chr(b) for b in range(256)],  # every byte: nothing unknown
             show_progress=False,
         )
         bpe.train_from_iterator((t.decode("latin-1") for t in texts), trainer=trainer)
-        return cls("bpe", settings["max_length"], bpe)
+        return cls("bpe", max_length, bpe)
 
     def record(self):
         """What a weights file keeps to rebuild this tokenizer (from_record)."""
@@ -273,6 +420,10 @@ class Tokenizer:
     def from_record(cls, record, max_length):
         if record["kind"] == "bytes":
             return cls("bytes", max_length)
+        if record["kind"] == "words":
+            tokenizer = cls("words", max_length, vocabulary=json.loads(record["json"]))
+            tokenizer.json = record["json"]
+            return tokenizer
         tokenizers = _package("tokenizers", f"tokenizer {record['kind']}")
         tokenizer = cls(record["kind"], max_length, tokenizers.Tokenizer.from_str(record["json"]))
         tokenizer.json = record["json"]
@@ -282,6 +433,12 @@ class Tokenizer:
         """Token ids of each document (bytes), cut at max_length unless `whole`: a list of int
         arrays."""
         limit = None if whole or not self.max_length else self.max_length
+        if self.kind == "words":
+            ids = []
+            for text in texts:
+                counts = Counter(self.index[g] for g in grams(text[:limit]) if g in self.index)
+                ids.append([i * COUNTS + min(n, COUNTS - 1) for i, n in counts.items()])
+            return [np.asarray(i, np.int32) for i in ids]
         if self.kind == "bytes":
             return [np.frombuffer(t[:limit], np.uint8).astype(np.int16) + 1 for t in texts]
         if self.kind == "bpe":
@@ -295,8 +452,37 @@ class Tokenizer:
         encoded = self.subwords.encode_batch([t.decode("utf-8", "replace") for t in texts])
         return [np.asarray(e.ids, np.int32) + 1 for e in encoded]
 
+    def encode_training(self, texts):
+        """(token ids cut at max_length, each whole document's length in cut_unit()), in one
+        pass: the training split, and what the start-up line says of max_length's cut."""
+        if self.kind == "words":  # max_length cuts the bytes, before the n-grams
+            return self.encode(texts), [len(t) for t in texts]
+        whole = self.encode(texts, whole=True)
+        return [t[: self.max_length or None] for t in whole], [len(t) for t in whole]
+
     def unit(self):
-        return "bytes" if self.kind == "bytes" else "tokens"
+        """What a token id is, for lines that count them."""
+        return {"bytes": "bytes", "words": "n-grams"}.get(self.kind, "tokens")
+
+    def cut_unit(self):
+        """What max_length counts."""
+        return "bytes" if self.kind in ("bytes", "words") else "tokens"
+
+    def describe(self):
+        """A few words on the input, for the start-up line."""
+        if self.kind == "words":
+            return f"word 1-2 grams ({len(self.index):,} of 2 training documents or more)"
+        return self.kind
+
+
+# Words: runs of letters and digits (with ' _ . - inside), and each other byte but white space.
+WORD = re.compile(rb"[a-z0-9]+(?:['_.-][a-z0-9]+)*|[^\sa-z0-9]")
+
+
+def grams(text):
+    """The word 1-grams and 2-grams of a document (bytes), lower-cased (ASCII), in order."""
+    words = WORD.findall(text.lower())
+    return words + [a + b" " + b for a, b in zip(words, words[1:])]
 
 
 def _package(name, purpose):
@@ -311,9 +497,9 @@ def _package(name, purpose):
         ) from None
 
 
-def describe_model(model, settings):
+def describe_model(model, settings, tokenizer):
     """A few words for the start-up line: the model, its size and its input."""
     params = sum(p.numel() for p in model.parameters())
     what = settings["pretrained"] if settings["model"] == "pretrained" else settings["model"]
-    words = "its own tokenizer" if settings["model"] == "pretrained" else settings["tokenizer"]
+    words = "its own tokenizer" if settings["model"] == "pretrained" else tokenizer.describe()
     return f"{what} ({params / 1e3:,.0f}k weights) on {words}"

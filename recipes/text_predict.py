@@ -88,7 +88,7 @@ def trained_model(path, device="cpu"):
     tokenizer = Tokenizer.from_record(record["tokenizer"], record["model"]["max_length"])
     if Path(path).suffix == ".onnx":
         return OnnxModel(path), record, tokenizer
-    model = build_model(record["model"], len(record["classes"]), record["encoder"])
+    model = build_model(record["model"], len(record["classes"]), tokenizer, record["encoder"])
     load_weights(model, path)
     return model.to(device).eval(), record, tokenizer
 
@@ -162,6 +162,9 @@ def export(cfg, accelerator):
         what = f"random bytes: {e}"
     documents = TokenSet(tokenizer.encode(texts), [0] * len(texts), texts, PAD_MULTIPLE)
     x, _ = documents.__getitems__(list(range(len(texts))))
+    # Two blocks of PAD_MULTIPLE at least (padding): torch.export takes a dimension of size 1 (a
+    # single block, as the few n-grams of short documents make) for a constant.
+    x = F.pad(x, (0, max(0, 2 * PAD_MULTIPLE - x.shape[1])))
     shorter, _ = documents.__getitems__([len(texts) - 1])  # one document, another length
     export_onnx(
         accelerator,

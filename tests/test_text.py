@@ -19,8 +19,9 @@ from conftest import (
 )
 from recipe_module import load_recipe
 from safetensors.torch import load_file
-from text_corpus import N_TEST, N_TRAIN, RECORDING_MODEL, SETTINGS, batches, copied_text
+from text_corpus import CNN, N_TEST, N_TRAIN, RECORDING_MODEL, SETTINGS, batches, copied_text
 
+from common.checkpoint import read_record
 from common.config import ShowHelp, parse_config
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -43,7 +44,7 @@ def train(copy, text_corpus, out, nproc, *more):
     ids = out.with_name(f"{out.name}-ids")
     ids.mkdir()
     res = launch(
-        [copy, "--dataset", text_corpus, "--output_dir", out, "--epochs", 2, *SETTINGS]
+        [copy, "--dataset", text_corpus, "--output_dir", out, "--epochs", 2, *SETTINGS, *CNN]
         + ["--checkpoint_every_steps", 4, "--keep_checkpoints", 20, *more],
         nproc=nproc,
         env={"PROBE_OUT": str(ids), **ONE_THREAD},
@@ -128,6 +129,32 @@ def test_predict_writes_a_row_per_file_from_the_weights_alone(
     assert all(0.5 <= float(r[2]) <= 1 for r in rows[1:])
 
 
+def test_the_default_trains_the_same_steps_on_two_processes_and_goes_on_on_one(
+    text_corpus, tmp_path
+):
+    # The bag of word n-grams with its global batch: 2 processes share each step's 32 documents
+    # (8 each, 2 accumulated), and a checkpoint of theirs resumes mid-epoch on 1 process (8 x 4)
+    # to the same weights, the vocabulary read back from the checkpoint (dropout off: its masks
+    # are drawn per process).
+    straight, resumed = tmp_path / "two", tmp_path / "resumed"
+    args = ["recipes/text.py", "--dataset", text_corpus, "--epochs", 2, *SETTINGS, "--dropout", 0]
+    args += ["--checkpoint_every_steps", 3, "--keep_checkpoints", 20]
+    two = launch([*args, "--output_dir", straight], nproc=2, env=ONE_THREAD)
+    assert_ok(two)
+    assert "global batch 32 = 8 per process x 2 process(es) x 2 accumulation step(s)" in two.output
+    assert "bag (" in two.output and "on word 1-2 grams (" in two.output, two.output
+    stopped_at(straight, 3, resumed)
+    one = launch([*args, "--output_dir", resumed, "--resume", "latest"], nproc=1, env=ONE_THREAD)
+    assert_ok(one)
+    assert "8 per process x 1 process(es) x 4 accumulation step(s)" in one.output
+    assert "(epoch 1, step 3)" in one.output, one.output
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5  # float sums' order only
+    rows = read_metrics(straight)
+    assert rows[-1]["eval_samples"] == N_TEST and rows[-1]["accuracy"] > 0.9, rows
+    assert read_record(straight / "model.safetensors", "text")["tokenizer"]["kind"] == "words"
+
+
 # ---- In this process ----
 
 
@@ -159,10 +186,8 @@ def test_an_empty_document_stops_the_run_with_one_line(text, text_corpus, tmp_pa
 def test_help_lists_every_setting_with_its_comment(text):
     with pytest.raises(ShowHelp) as shown:
         parse_config(text.Config, ["--help"])
-    assert "--max_batch_tokens INT (default: 0)  padded tokens per process batch" in str(
-        shown.value
-    )
-    assert "--tokenizer STR (default: bytes)" in str(shown.value)
+    assert "--global_batch_size INT (default: 32)  documents per optimizer step" in str(shown.value)
+    assert "--tokenizer STR (default: auto)" in str(shown.value)
 
 
 def test_the_recipe_imports_no_serving_file(text):

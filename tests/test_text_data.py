@@ -17,7 +17,7 @@ from common.config import ConfigError, UserError, parse_config
 from common.data import DataError
 from common.text.data import Documents, TokenSet, check_splits, content_split
 from text_data import list_documents
-from text_model import PAD_MULTIPLE, Tokenizer, build_model
+from text_model import COUNTS, PAD_MULTIPLE, LazyAdamW, Tokenizer, build_model
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,9 @@ def test_a_document_longer_than_a_batch_holds_is_one_line(text, tmp_path):
     root = write_corpus(tmp_path / "docs", 20, 5)
     (root / "train" / "spam" / "huge.txt").write_bytes(b"x" * 300_000)  # a 300 KB message
     accelerator = type("A", (), {"num_processes": 1})()
-    cfg = config(text, "--dataset", root, "--max_length", 0, "--max_batch_tokens", 100_000)
+    # A model whose cost grows with the length (the bag's does not), in batches of a token budget.
+    cnn = ["--model", "cnn", "--global_batch_size", 0]
+    cfg = config(text, "--dataset", root, "--max_length", 0, "--max_batch_tokens", 100_000, *cnn)
     data = text.load_data(cfg, accelerator)
     assert data.notes[0].startswith("max_length 0: whole documents, up to 300,000 bytes")
     with pytest.raises(
@@ -152,7 +154,7 @@ def test_a_document_longer_than_a_batch_holds_is_one_line(text, tmp_path):
         r".*huge.txt \(300,000 bytes, 303,104 padded\): raise it to 606,208, or cut",
     ):
         text.resolved(cfg, data)
-    cfg = config(text, "--dataset", root)  # max_length 8192: cut, and said at start-up
+    cfg = config(text, "--dataset", root, *cnn)  # max_length 8192: cut, said at start-up
     data = text.load_data(cfg, accelerator)
     assert data.notes[0].startswith("max_length 8,192 bytes: 4.8% of the training documents")
     assert text.resolved(cfg, data).max_batch_tokens == 32 * 8192
@@ -161,10 +163,12 @@ def test_a_document_longer_than_a_batch_holds_is_one_line(text, tmp_path):
 
 def test_settings_that_cannot_work_are_refused(text):
     for args, message in [
-        (["--model", "rnn"], "model must be cnn or transformer"),
+        (["--model", "rnn"], "model must be bag or cnn or transformer"),
+        (["--tokenizer", "bytes"], "model bag reads word n-grams: use --tokenizer words or auto"),
+        (["--model", "cnn", "--tokenizer", "words"], "model cnn reads bytes or bpe subwords"),
         (["--model", "transformer", "--max_length", 0], "attends over every pair"),
         (["--global_batch_size", 64, "--max_batch_tokens", 4096], "set one"),
-        (["--batch_size", 1], "batch_size must be at least 2"),
+        (["--global_batch_size", 0, "--batch_size", 1], "batch_size must be at least 2"),
         (["--val_fraction", 1], "val_fraction must be in"),
     ]:
         with pytest.raises(ConfigError, match=message):
@@ -182,13 +186,61 @@ def test_token_ids_are_bytes_plus_one_padded_to_a_multiple():
     assert x[0, :2].tolist() == [123, 0] and (x[1, 5:] == 0).all()
 
 
-@pytest.mark.parametrize("model", ["cnn", "transformer"])
+def test_word_ids_are_each_known_ngram_once_with_its_count():
+    # The vocabulary: the 1-2 grams of 2 training documents or more, the most frequent first
+    # (ties by their bytes), from each document's first max_length bytes.
+    settings = {"model": "bag", "tokenizer": "auto", "vocab_size": 0, "max_length": 12}
+    tokenizer = Tokenizer.trained(settings, [b"The cat, the cat.", b"the cat sat", b"a dog"])
+    assert list(tokenizer.index) == [b"cat", b"the", b"the cat"] and tokenizer.df == [2, 2, 2]
+    [ids] = tokenizer.encode([b"THE CAT the cat dog"], whole=True)  # dog, cat the: not known
+    assert ids.tolist() == [2 * COUNTS + 2, 1 * COUNTS + 2, 3 * COUNTS + 2]
+    idf = tokenizer.idf()
+    assert idf[0] == 0 and torch.allclose(idf[1:], torch.log(torch.tensor(4 / 3)) + 1)
+    again = Tokenizer.from_record(tokenizer.record(), 12)  # as the weights file rebuilds it
+    assert (
+        again.encode([b"the cat, the"])[0].tolist()
+        == tokenizer.encode([b"the cat, the"])[0].tolist()
+    )
+    assert tokenizer.encode([b"cat " * 100], whole=True)[0].tolist() == [COUNTS + 100]
+    cut = [COUNTS + 2, 2 * COUNTS + 1, 3 * COUNTS + 1]  # of "cat the cat ", its first 12 bytes
+    assert tokenizer.encode([b"cat the cat the"])[0].tolist() == cut
+    assert tokenizer.encode([b"cat " * 300], whole=True)[0].tolist() == [COUNTS + COUNTS - 1]
+
+
+def test_lazy_adamw_is_adamw_and_on_an_embedding_sparse_adam():
+    # A group that is not lazy steps as torch's AdamW; a lazy one (the bag's embedding table)
+    # as SparseAdam on the rows that the step's gradient holds, the others left as they are.
+    torch.manual_seed(0)
+    dense, embedding = torch.randn(5, 3), torch.randn(6, 3)
+    ours = [torch.nn.Parameter(t.clone()) for t in (dense, embedding)]
+    torchs = [torch.nn.Parameter(t.clone()) for t in (dense, embedding)]
+    groups = [{"params": [ours[0]]}, {"params": [ours[1]], "lazy": True, "weight_decay": 0}]
+    lazy = LazyAdamW(groups, lr=0.01, weight_decay=0.01)  # SparseAdam has no weight decay
+    adamw = torch.optim.AdamW([torchs[0]], lr=0.01, weight_decay=0.01)
+    sparse = torch.optim.SparseAdam([torchs[1]], lr=0.01)
+    for rows in ([1, 4], [2], [1, 2, 5]):
+        g, h = torch.randn(5, 3), torch.zeros(6, 3)
+        h[rows] = torch.randn(len(rows), 3)
+        ours[0].grad, ours[1].grad = g.clone(), h.clone()
+        torchs[0].grad, torchs[1].grad = g.clone(), h.to_sparse()
+        for optimizer in (lazy, adamw, sparse):
+            optimizer.step()
+    assert torch.allclose(ours[0], torchs[0], atol=1e-6) and torch.allclose(
+        ours[1], torchs[1], atol=1e-6
+    )
+    assert torch.equal(ours[1][[0, 3]], embedding[[0, 3]]), "rows no step held stay as they were"
+
+
+@pytest.mark.parametrize("model", ["bag", "cnn", "transformer"])
 def test_a_document_gets_the_same_logits_alone_and_in_a_padded_batch(model):
-    settings = {"model": model, "tokenizer": "bytes", "vocab_size": 0, "max_length": 512}
-    net = build_model({**settings, "width": 32, "depth": 2, "dropout": 0.0}, 3).eval()
+    settings = {"model": model, "tokenizer": "auto", "vocab_size": 0, "max_length": 512}
+    settings.update(width=32, depth=2, dropout=0.0)
     rng = np.random.default_rng(0)
-    texts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (37, 300, 5, 512)]
-    documents = TokenSet(Tokenizer("bytes", 512).encode(texts), [0] * 4, texts, PAD_MULTIPLE)
+    words = [b"w%d" % i for i in range(50)]
+    texts = [b" ".join(rng.choice(words, n)) for n in (37, 300, 5, 512)]
+    tokenizer = Tokenizer.trained(settings, texts * 2)
+    net = build_model(settings, 3, tokenizer).eval()
+    documents = TokenSet(tokenizer.encode(texts), [0] * 4, texts, PAD_MULTIPLE)
     with torch.no_grad():
         batch = net(documents.__getitems__([0, 1, 2, 3])[0])
         alone = torch.cat([net(documents.__getitems__([i])[0]) for i in range(4)])

@@ -12,6 +12,7 @@ import torch
 from conftest import BIN, assert_ok, error_lines, launch, read_metrics, stopped_at
 from safetensors.torch import load_file
 from text_corpus import (
+    CNN,
     N_TEST,
     N_TRAIN,
     RECORDING_MODEL,
@@ -54,7 +55,7 @@ def global_run(copy, text_corpus, out, nproc, batch_size, *more):
     ids = out.with_name(f"{out.name}-ids")
     ids.mkdir()
     res = launch(
-        [copy, "--dataset", text_corpus, "--output_dir", out, "--epochs", 2, *SETTINGS]
+        [copy, "--dataset", text_corpus, "--output_dir", out, "--epochs", 2, *SETTINGS, *CNN]
         + ["--global_batch_size", GLOBAL, "--batch_size", batch_size, "--dropout", 0]
         + ["--checkpoint_every_steps", 3, "--keep_checkpoints", 20, *more],
         nproc=nproc,
@@ -150,7 +151,7 @@ def test_the_moving_average_and_tensorboard(text_corpus, tmp_path):
     assert list((out / "text").glob("events.out.tfevents.*")), "TensorBoard's event file"
 
 
-@pytest.mark.parametrize("model", ["cnn", "transformer"])
+@pytest.mark.parametrize("model", ["bag", "cnn", "transformer"])
 def test_export_to_onnx_and_predict_from_it_on_two_processes(model, text_corpus, tmp_path):
     out = tmp_path / "out"
     train = [RECIPE, "--dataset", text_corpus, "--output_dir", out, *SETTINGS, "--model", model]
@@ -242,7 +243,8 @@ def test_the_model_memorises_one_batch(text_corpus, tmp_path):
     )
     assert_ok(res)
     rows = read_metrics(out)
-    assert rows[-1]["eval_samples"] == 8 and rows[-1]["accuracy"] == 1.0, rows[-1]
+    # One batch: the global batch's 32 documents, trained and evaluated on.
+    assert rows[-1]["eval_samples"] == 32 and rows[-1]["accuracy"] == 1.0, rows[-1]
 
 
 def test_bpe_subwords_are_kept_in_the_checkpoint_and_the_weights(text_corpus, tmp_path):
@@ -250,7 +252,7 @@ def test_bpe_subwords_are_kept_in_the_checkpoint_and_the_weights(text_corpus, tm
     # predict from the weights file, with no flag.
     out = tmp_path / "out"
     args = [RECIPE, "--dataset", text_corpus, "--output_dir", out, *SETTINGS]
-    args += ["--tokenizer", "bpe", "--vocab_size", 400, "--max_length", 256, "--epochs", 2]
+    args += [*CNN, "--tokenizer", "bpe", "--vocab_size", 400, "--max_length", 256, "--epochs", 2]
     args_saved = [*args, "--checkpoint_every_steps", 5, "--keep_checkpoints", 20]
     assert_ok(launch(args_saved, launcher="python", env=ONE_THREAD))
     resumed = stopped_at(out, 5, tmp_path / "resumed")

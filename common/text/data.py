@@ -359,7 +359,7 @@ class TokenSet(torch.utils.data.Dataset):
 
     def __getitems__(self, indices):
         lengths = self.lengths[indices]
-        longest = -(-int(lengths.max()) // self.multiple) * self.multiple
+        longest = -(-max(int(lengths.max()), 1) // self.multiple) * self.multiple
         x = np.zeros((len(indices), longest), np.int64)
         for row, (start, n) in enumerate(zip(self.starts[indices], lengths)):
             x[row, :n] = self.tokens[start : start + n]

@@ -11,7 +11,7 @@ from conftest import assert_same_weights, launch, metrics
 
 RECIPE = "text"
 N_TRAIN, N_TEST = 101, 31  # odd: no process count or batch size here divides them
-RUN = ["--batch_size", 8, "--eval_batch_size", 16, "--max_length", 1024, "--lr", 3e-3]
+RUN = ["--batch_size", 8, "--eval_batch_size", 16, "--max_length", 1024]
 RUN += ["--epochs", 2]
 WORDS = {  # a quarter of each document's words are its class's own, the rest are shared
     "ham": ["meeting", "patch", "kernel", "thanks", "review", "lunch", "build", "release"],
