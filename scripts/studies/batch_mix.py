@@ -9,7 +9,7 @@ max_length) and forms 3 epochs of batches of batch_size documents these ways:
 - recipe:   the text recipe's sampler (common.sampler.GlobalBucketSampler, one process, the
             lengths rounded as the recipe rounds them: 32 steps per doubling, or --per_octave);
 - pool K:   shuffled, cut into pools of K batches, each pool sorted by length, then cut into
-            batches (issue #48's classic loop sorted within pools of 100);
+            batches (a classic loop sorted within pools of 100);
 - by class: each class sorted by length on its own, a batch the same slice of every class (as
             many batches as the others, so each holds the classes in the data's shares);
 - shuffled: shuffled batches padded to their longest (the classic padded loop).

@@ -1,14 +1,15 @@
 """The text recipe trained on other batches than its own: what a batch's make-up costs in accuracy.
 
     python scripts/studies/train_batches.py --batches by_class --seed 1  # then text.py's flags
-    python scripts/studies/train_batches.py --batches per_octave=8 --seed 1
+    python scripts/studies/train_batches.py --batches per_octave=8 --model cnn --global_batch_size 0
 
 Runs recipes/text.py as it is, with one change: the sizes by which its training sampler
-(common.sampler.GlobalBucketSampler) sorts the documents into batches. The loader, the model, the
-loop and the padding are the recipe's (a batch is padded to its longest document, as there):
+(common.sampler.GlobalBucketSampler, with --global_batch_size 0) sorts the documents into
+batches. The loader, the model, the loop and the padding are the recipe's (a batch is padded
+to its longest document, as there):
 
 - recipe:       the recipe's own sizes, the lengths rounded to 32 steps per doubling (the same
-                run as `python recipes/text.py`);
+                run as `python recipes/text.py` with the same flags);
 - per_octave=N: the lengths rounded to N steps per doubling: wider bands of tied lengths, whose
                 documents meet other documents every epoch, at more padding;
 - by_class:     each class sorted by length on its own, a document's size its place in its class
@@ -16,7 +17,7 @@ loop and the padding are the recipe's (a batch is padded to its longest document
                 slice of every class: the classes in the data's shares, at the padding of
                 documents of unlike lengths side by side;
 - shuffled:     every size the same: shuffled batches, each padded to its longest document, as
-                issue #48's classic padded loop has them (with the recipe's loop around them).
+                the classic padded loop has them (with the recipe's loop around them).
 
 scripts/studies/batch_mix.py shows these batches' padding and class mix without training.
 """
