@@ -99,9 +99,9 @@ class Config(RunConfig):
     vocab_size: int = 0  # words: n-grams at most (0: 1,000,000); bpe: subwords (0: 8,000)
     max_length: int = 8192  # of each document its first bytes (tokens, for bpe); 0: whole
     pretrained: str = ""  # model pretrained: a Hugging Face encoder, hub name or folder
-    width: int = 64  # embedding (bag), channels (cnn) or model dimension (transformer: 32 x k)
+    width: int = 64  # channels (cnn) or model dimension (transformer: 32 x k); not the bag's
     depth: int = 2  # convolutions (cnn) or encoder layers (transformer)
-    dropout: float = 0.1
+    dropout: float = 0.1  # cnn and transformer
     # Batches: documents of similar lengths, padded to the batch's longest. global_batch_size:
     # the same optimizer steps on 1 process or 8 (each takes its share, batch_size at most, and
     # accumulates the rest), so a second GPU trains the same steps in about half the time.
@@ -181,7 +181,7 @@ def load_data(cfg, accelerator, trained=None, checkpoint=None):
             f"{cfg.dataset} has {', '.join(classes)}: train on data with the same classes"
         )
     notes = notes + check_splits(train, test, classes)
-    tokenizer = make_tokenizer(cfg, accelerator, train.texts, trained, checkpoint)
+    tokenizer = make_tokenizer(cfg, accelerator, train, len(classes), trained, checkpoint)
     tokens, lengths = tokenizer.encode_training(train.texts)
     notes.insert(0, cut_note(lengths, cfg.max_length, tokenizer.cut_unit()))
     train_set = TokenSet(tokens, train.labels, train.names, PAD_MULTIPLE)
@@ -194,11 +194,11 @@ def load_data(cfg, accelerator, trained=None, checkpoint=None):
     return TextData(train_set, test_set, classes, tokenizer, notes)
 
 
-def make_tokenizer(cfg, accelerator, texts, trained=None, checkpoint=None):
+def make_tokenizer(cfg, accelerator, train, num_classes, trained=None, checkpoint=None):
     """The tokenizer of the weights file (`trained`: its record), or of the checkpoint that the
     run resumes from, whose trainer_state.json holds it: the same subwords, always. Else a new
-    one: bytes, or bpe trained on the training documents `texts` on the main process, and sent
-    to the others (training on each could break ties differently)."""
+    one: bytes, or words or bpe made from the training documents `train` on the main process,
+    and sent to the others (training on each could break ties differently)."""
     if trained:
         return Tokenizer.from_record(trained["tokenizer"], cfg.max_length)
     state = Path(checkpoint or "") / "trainer_state.json"
@@ -206,7 +206,10 @@ def make_tokenizer(cfg, accelerator, texts, trained=None, checkpoint=None):
         record = json.loads(state.read_text())["tokenizer_record"]
         return Tokenizer.from_record(record, cfg.max_length)
     settings = model_settings(cfg)
-    record = from_main_process(accelerator, lambda: Tokenizer.trained(settings, texts).record())
+    record = from_main_process(
+        accelerator,
+        lambda: Tokenizer.trained(settings, train.texts, train.labels, num_classes).record(),
+    )
     return Tokenizer.from_record(record, cfg.max_length)
 
 
@@ -283,7 +286,7 @@ def batches_line(cfg):
 
 def make_optimizer(model, cfg, *, lr, accelerator):
     """AdamW with fused kernels where they work: one update for all the weights (fused_kernels).
-    The bag: LazyAdamW, which moves an n-gram's embedding only in the steps that see it."""
+    The bag: LazyAdamW, which moves an n-gram's weights only in the steps that see it."""
     if isinstance(model, Bag):
         return LazyAdamW(model.parameter_groups(), lr=lr, weight_decay=cfg.weight_decay)
     return torch.optim.AdamW(

@@ -1,10 +1,11 @@
 """The text recipe's models and input, which recipes/text.py builds from its Config; a copy with
 its own model changes this file.
 
-Bag, the default: fastText's model (Joulin et al. 2017, "Bag of Tricks for Efficient Text
-Classification") with TF-IDF's weights: each word 1-2 gram of a document once, weighted by
-(1 + ln count) x idf, its weights scaled to unit length, the weighted sum of their embeddings,
-and a linear layer. It reads the words tokenizer's ids.
+Bag, the default: a linear model of TF-IDF's features, scaled as NBSVM scales them (Wang and
+Manning 2012, "Baselines and Bigrams"), trained as fastText trains its bag (Joulin et al. 2017):
+each word 1-2 gram of a document once, weighted by (1 + ln count) x idf, its weights scaled to
+unit length; a class's logit is the sum of the n-grams' weights for that class, each times the
+n-gram's naive-Bayes log-count ratio for the class. It reads the words tokenizer's ids.
 
 ByteCNN: an embedding of each token, two convolutions with a max pool between them, and the
 maximum of each channel over the document's positions.
@@ -122,7 +123,7 @@ def build_model(settings, num_classes, tokenizer, encoder=None):
     pretrained loads it and its weights by name."""
     width, depth, dropout = settings["width"], settings["depth"], settings["dropout"]
     if settings["model"] == "bag":
-        return Bag(tokenizer.idf(), num_classes, width, dropout)
+        return Bag(tokenizer.idf(), tokenizer.log_count_ratios(num_classes))
     vocab = Tokenizer.vocab_of(settings)
     if settings["model"] == "cnn":
         return ByteCNN(vocab, num_classes, width, depth, dropout)
@@ -147,32 +148,36 @@ def within(lengths, size):
 
 class Bag(nn.Module):
     """Each n-gram of a document (the words tokenizer's ids) weighted by (1 + ln count) x idf, the
-    weights scaled to unit length (L2), as TF-IDF weighs them; the weighted sum of the n-grams'
-    embeddings (`width`), dropout, and a linear layer. Padding weighs 0 (its idf is 0). Its cost
-    grows with the document's distinct n-grams, not its length."""
+    weights scaled to unit length (L2), as TF-IDF weighs them. Each n-gram has a weight for each
+    class (a table, starting at 0), which its log-count ratio for the class scales (fixed, from
+    the training split's counts: see Tokenizer.log_count_ratios); a class's logit is the sum of
+    the scaled weights times the n-grams' TF-IDF weights, plus a bias. The scale is NBSVM's:
+    an n-gram that the naive-Bayes counts call telling for a class moves its logit by more.
+    Padding weighs 0 (its idf and ratio are 0). Its cost grows with the document's distinct
+    n-grams, not its length."""
 
-    def __init__(self, idf, num_classes, width=64, dropout=0.1):
+    def __init__(self, idf, ratios):
         super().__init__()
-        self.register_buffer("idf", idf, persistent=False)  # the tokenizer's: not a weight
-        self.embed = nn.Embedding(len(idf), width, padding_idx=PAD)
-        nn.init.normal_(self.embed.weight, std=0.1)
-        self.dropout = nn.Dropout(dropout)
-        self.head = nn.Linear(width, num_classes)
+        self.register_buffer("idf", idf, persistent=False)  # the tokenizer's: not weights
+        self.register_buffer("ratios", ratios, persistent=False)  # [n-grams, classes]
+        self.embed = nn.Embedding(*ratios.shape, padding_idx=PAD)
+        nn.init.zeros_(self.embed.weight)
+        self.bias = nn.Parameter(torch.zeros(ratios.shape[1]))
 
     def forward(self, tokens):
         grams, counts = tokens // COUNTS, tokens % COUNTS
         w = (1 + torch.log(counts.clamp(min=1).float())) * self.idf[grams]  # [N, L]
         w = w / w.norm(dim=1, keepdim=True).clamp(min=1e-12)
-        h = (self.embed(grams) * w[..., None]).sum(1)  # [N, width]
-        return self.head(self.dropout(h))  # logits
+        scaled = self.embed(grams) * self.ratios[grams]  # [N, L, classes]
+        return (scaled * w[..., None]).sum(1) + self.bias  # logits
 
     def parameter_groups(self):
-        """For LazyAdamW: the embedding table lazy (a row moves in the steps that see it)."""
-        return [{"params": [self.embed.weight], "lazy": True}, {"params": self.head.parameters()}]
+        """For LazyAdamW: the n-grams' table lazy (a row moves in the steps that see it)."""
+        return [{"params": [self.embed.weight], "lazy": True}, {"params": [self.bias]}]
 
 
 class LazyAdamW(torch.optim.Optimizer):
-    """AdamW whose groups marked `lazy` (the bag's embedding table) move a row, and decay its
+    """AdamW whose groups marked `lazy` (the bag's table of n-grams) move a row, and decay its
     moments, only in the steps whose documents hold it: lazy Adam, as torch's SparseAdam and
     fastText update, on dense gradients, which DDP reduces on every backend (sparse gradients:
     gloo only). AdamW would go on moving an n-gram that a step does not see by its momentum.
@@ -360,9 +365,15 @@ class Tokenizer:
         self.kind, self.max_length, self.subwords = kind, max_length, subwords
         # As made or read: to_str() of a tokenizer read back need not give the same text.
         self.json = subwords.to_str() if subwords is not None else None
-        if vocabulary is not None:  # words: {"documents": N, "grams": [...], "df": [...]}
+        if vocabulary is not None:  # words: {"documents": N, "grams", "df", "class_df"}
             self.json = json.dumps(vocabulary)
             self.documents, self.df = vocabulary["documents"], vocabulary["df"]
+            require(
+                "class_df" in vocabulary,
+                "this bag was trained by an earlier version of the recipe (its vocabulary has "
+                "no counts by class): train it again",
+            )
+            self.class_df = vocabulary["class_df"]
             grams = (g.encode("latin-1") for g in vocabulary["grams"])
             self.index = {g: i for i, g in enumerate(grams, 1)}  # 0: padding
 
@@ -378,9 +389,21 @@ class Tokenizer:
         idf[PAD] = 0
         return idf.float()
 
+    def log_count_ratios(self, num_classes):
+        """words: each n-gram's naive-Bayes log-count ratio for each class, as NBSVM has it:
+        ln((p / |p|) / (q / |q|)), p its training documents of the class + 1, q those of the
+        other classes + 1, |p| and |q| their sums over the vocabulary; padding's 0.
+        [n-grams + 1, num_classes]"""
+        n = torch.tensor(self.class_df, dtype=torch.float64).T  # [n-grams, classes]
+        require(n.shape[1] == num_classes, "the vocabulary's classes are not the model's")
+        p, q = 1 + n, 1 + n.sum(1, keepdim=True) - n
+        ratios = torch.log(p / p.sum(0)) - torch.log(q / q.sum(0))
+        return torch.cat([torch.zeros(1, num_classes, dtype=torch.float64), ratios]).float()
+
     @classmethod
-    def trained(cls, settings, texts):
-        """The tokenizer that `settings` name; words and bpe: made from `texts`."""
+    def trained(cls, settings, texts, labels=(), num_classes=0):
+        """The tokenizer that `settings` name; words and bpe: made from `texts`; words also
+        count each n-gram's documents of each class (`labels`: a class index a text)."""
         if settings["model"] == "pretrained":
             transformers = _package("transformers", "model pretrained")
             name = settings["pretrained"]
@@ -391,13 +414,17 @@ class Tokenizer:
             return cls("bytes", max_length)
         if kind == "words":
             cut = slice(max_length or None)
-            df = Counter(g for t in texts for g in set(grams(t[cut])))
+            by_class = [Counter() for _ in range(num_classes)]
+            for t, label in zip(texts, labels, strict=True):
+                by_class[label].update(set(grams(t[cut])))
+            df = sum(by_class, Counter())
             kept = sorted((g for g, n in df.items() if n >= 2), key=lambda g: (-df[g], g))
             kept = kept[: settings["vocab_size"] or MOST_GRAMS]
             vocabulary = {
                 "documents": len(texts),
                 "grams": [g.decode("latin-1") for g in kept],  # JSON holds text: a char a byte
                 "df": [df[g] for g in kept],
+                "class_df": [[c[g] for g in kept] for c in by_class],  # [classes][n-grams]
             }
             return cls("words", max_length, vocabulary=vocabulary)
         tokenizers = _package("tokenizers", "tokenizer bpe")

@@ -3,6 +3,7 @@ by content, the one-line errors for bad data, token ids and padding, and models 
 padding exactly. test_text.py launches the recipe on such data."""
 
 import json
+import math
 import os
 import sys
 
@@ -190,7 +191,8 @@ def test_word_ids_are_each_known_ngram_once_with_its_count():
     # The vocabulary: the 1-2 grams of 2 training documents or more, the most frequent first
     # (ties by their bytes), from each document's first max_length bytes.
     settings = {"model": "bag", "tokenizer": "auto", "vocab_size": 0, "max_length": 12}
-    tokenizer = Tokenizer.trained(settings, [b"The cat, the cat.", b"the cat sat", b"a dog"])
+    texts = [b"The cat, the cat.", b"the cat sat", b"a dog"]
+    tokenizer = Tokenizer.trained(settings, texts, [0, 1, 1], 2)
     assert list(tokenizer.index) == [b"cat", b"the", b"the cat"] and tokenizer.df == [2, 2, 2]
     [ids] = tokenizer.encode([b"THE CAT the cat dog"], whole=True)  # dog, cat the: not known
     assert ids.tolist() == [2 * COUNTS + 2, 1 * COUNTS + 2, 3 * COUNTS + 2]
@@ -205,6 +207,27 @@ def test_word_ids_are_each_known_ngram_once_with_its_count():
     cut = [COUNTS + 2, 2 * COUNTS + 1, 3 * COUNTS + 1]  # of "cat the cat ", its first 12 bytes
     assert tokenizer.encode([b"cat the cat the"])[0].tolist() == cut
     assert tokenizer.encode([b"cat " * 300], whole=True)[0].tolist() == [COUNTS + COUNTS - 1]
+
+
+def test_the_bags_ratios_are_naive_bayes_log_count_ratios_of_each_class():
+    # NBSVM's ratio of an n-gram for a class: ln((p / |p|) / (q / |q|)), p = 1 + the class's
+    # training documents that hold it, q = 1 + the other classes', |.| the sums over the
+    # vocabulary; the bag scales the n-gram's weight for the class by it.
+    settings = {"model": "bag", "tokenizer": "auto", "vocab_size": 0, "max_length": 0}
+    texts = [b"buy now", b"buy cheap now", b"buy", b"meet now", b"meet", b"cheap lunch"]
+    tokenizer = Tokenizer.trained(settings, texts, [0, 0, 0, 1, 1, 2], 3)
+    assert list(tokenizer.index) == [b"buy", b"now", b"cheap", b"meet"]  # in 2 documents
+    assert tokenizer.class_df == [[3, 2, 1, 0], [0, 1, 0, 2], [0, 0, 1, 0]]
+    ratios = tokenizer.log_count_ratios(3)
+    assert ratios.shape == (5, 3) and (ratios[0] == 0).all()  # padding's row
+    p, q = [4, 3, 2, 1], [1, 2, 2, 3]  # class 0: its documents + 1, the others' + 1
+    expected = [math.log((a / sum(p)) / (b / sum(q))) for a, b in zip(p, q)]
+    assert torch.allclose(ratios[1:, 0], torch.tensor(expected)), ratios[1:, 0]
+    assert ratios[1, 0] > 0 > ratios[1, 1] and ratios[4, 1] > 0 > ratios[4, 0]  # buy, meet
+    net = build_model({**settings, "width": 64, "depth": 2, "dropout": 0.1}, 3, tokenizer)
+    assert net.embed.weight.shape == (5, 3) and torch.equal(net.ratios, ratios)
+    again = Tokenizer.from_record(tokenizer.record(), 0)  # as the weights file rebuilds it
+    assert torch.equal(again.log_count_ratios(3), ratios)
 
 
 def test_lazy_adamw_is_adamw_and_on_an_embedding_sparse_adam():
@@ -238,8 +261,10 @@ def test_a_document_gets_the_same_logits_alone_and_in_a_padded_batch(model):
     rng = np.random.default_rng(0)
     words = [b"w%d" % i for i in range(50)]
     texts = [b" ".join(rng.choice(words, n)) for n in (37, 300, 5, 512)]
-    tokenizer = Tokenizer.trained(settings, texts * 2)
+    tokenizer = Tokenizer.trained(settings, texts * 2, [0, 1, 2, 0] * 2, 3)
     net = build_model(settings, 3, tokenizer).eval()
+    if model == "bag":  # its weights start at 0: every logit would be the bias
+        torch.nn.init.normal_(net.embed.weight)
     documents = TokenSet(tokenizer.encode(texts), [0] * 4, texts, PAD_MULTIPLE)
     with torch.no_grad():
         batch = net(documents.__getitems__([0, 1, 2, 3])[0])
