@@ -33,7 +33,7 @@ demo-unet: $(BIN)/.installed data/shapes  ## train a small U-Net on the generate
 		recipes/unet.py --dataset data/shapes --base_channels 16 --lr 3e-3 --epochs 6 --output_dir $(UNET_DEMO_OUT)
 
 # Not in `make demo`: its data needs npm once.
-demo-text: $(BIN)/.installed data/spam  ## train the text recipe on data/spam at its defaults, on the CPU (about a minute)
+demo-text: $(BIN)/.installed data/spam  ## train the text recipe on data/spam at its defaults, on the CPU (about 15 s)
 	rm -rf runs/text-demo
 	$(BIN)/accelerate launch -q --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \
 		recipes/text.py --output_dir runs/text-demo
@@ -135,7 +135,7 @@ bench: $(BIN)/.installed data/shapes  ## MNIST, its fast preset and U-Net: recip
 
 # Whole epochs of data/spam, one thread: the recipe, its compute bound and the classic padded loop
 # take turns, and after 3 epochs each their test accuracies compare at the same budget.
-bench-text: $(BIN)/.installed data/spam  ## text on data/spam: batches by length vs the padded loop and TF-IDF, tokens/s, padding, accuracy (~3 min)
+bench-text: $(BIN)/.installed data/spam  ## text on data/spam: batches by length vs the padded loop and TF-IDF, tokens/s, padding, accuracy (~1 min)
 	OMP_NUM_THREADS=1 $(BIN)/python scripts/bench.py --recipe text --threads 1 $(BENCH_ARGS)
 
 bench-startup: $(BIN)/.installed  ## U-Net start-up against 500, 4,000 and 20,000 image/mask pairs (~2 min)
