@@ -228,6 +228,10 @@ def test_the_bags_ratios_are_naive_bayes_log_count_ratios_of_each_class():
     assert net.embed.weight.shape == (5, 3) and torch.equal(net.ratios, ratios)
     again = Tokenizer.from_record(tokenizer.record(), 0)  # as the weights file rebuilds it
     assert torch.equal(again.log_count_ratios(3), ratios)
+    vocabulary = json.loads(tokenizer.record()["json"])
+    del vocabulary["class_df"]  # a weights file of the bag before the ratios
+    with pytest.raises(UserError, match="^this bag was trained by an earlier version .* again$"):
+        Tokenizer.from_record({"kind": "words", "json": json.dumps(vocabulary)}, 0)
 
 
 def test_lazy_adamw_is_adamw_and_on_an_embedding_sparse_adam():
