@@ -354,7 +354,8 @@ class Tokenizer:
     """Documents as token ids, cut at max_length (0: whole). words: the word 1-2 grams (grams())
     of the document's first max_length bytes that a vocabulary made from the training documents
     holds (trained(): those of 2 documents or more, at most vocab_size, the most frequent), each
-    once with its count (COUNTS); the vocabulary's document counts give the idf. bytes: byte b
+    once with its count (COUNTS); the vocabulary's document counts in each class give the idf
+    and the bag's log-count ratios. bytes: byte b
     is token b + 1 (any encoding, no vocabulary). bpe: a byte-pair vocabulary of vocab_size
     subwords trained on the training documents, over their bytes read as latin-1 (a character
     per byte, so nothing is undecodable). pretrained: the encoder's own tokenizer, over the text
@@ -365,15 +366,15 @@ class Tokenizer:
         self.kind, self.max_length, self.subwords = kind, max_length, subwords
         # As made or read: to_str() of a tokenizer read back need not give the same text.
         self.json = subwords.to_str() if subwords is not None else None
-        if vocabulary is not None:  # words: {"documents": N, "grams", "df", "class_df"}
+        if vocabulary is not None:  # words: {"documents": N, "grams": [...], "class_df": [...]}
             self.json = json.dumps(vocabulary)
-            self.documents, self.df = vocabulary["documents"], vocabulary["df"]
             require(
                 "class_df" in vocabulary,
                 "this bag was trained by an earlier version of the recipe (its vocabulary has "
                 "no counts by class): train it again",
             )
-            self.class_df = vocabulary["class_df"]
+            self.documents, self.class_df = vocabulary["documents"], vocabulary["class_df"]
+            self.df = [sum(counts) for counts in zip(*self.class_df)]  # documents of all classes
             grams = (g.encode("latin-1") for g in vocabulary["grams"])
             self.index = {g: i for i, g in enumerate(grams, 1)}  # 0: padding
 
@@ -423,7 +424,6 @@ class Tokenizer:
             vocabulary = {
                 "documents": len(texts),
                 "grams": [g.decode("latin-1") for g in kept],  # JSON holds text: a char a byte
-                "df": [df[g] for g in kept],
                 "class_df": [[c[g] for g in kept] for c in by_class],  # [classes][n-grams]
             }
             return cls("words", max_length, vocabulary=vocabulary)
