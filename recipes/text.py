@@ -23,7 +23,6 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR
 from tqdm.auto import tqdm
@@ -76,6 +75,7 @@ from text_model import (  # ADAPT: your model
     describe_model,
     encoder_config,
     learning_rate,
+    loss_of,
 )
 
 NAME = Path(__file__).stem  # a copy gets its own name in checkpoints, trackers and output_dir
@@ -346,9 +346,10 @@ def train_one_epoch(model, loader, optimizer, *, scheduler, accelerator, cfg, pr
     progress.start_epoch(len(loader))
     tokens = TokenCount(accelerator)
     main_process = accelerator.is_main_process
+    loss_fn = loss_of(cfg.model)  # ADAPT: your loss (text_model.py)
     for x, y in tqdm(loader, f"epoch {progress.epoch}", disable=not main_process, leave=False):
         with accelerator.accumulate(model):
-            loss = F.cross_entropy(model(x), y)  # ADAPT: your loss
+            loss = loss_fn(model(x), y)
             accelerator.backward(progress.weighted(loss))  # a short last group weighs more
             if cfg.grad_clip and accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -372,15 +373,16 @@ def train_one_epoch(model, loader, optimizer, *, scheduler, accelerator, cfg, pr
 
 
 @torch.inference_mode()
-def evaluate(model, loader, accelerator):
-    """Accuracy and loss over the test split, every document counted once on any number of
-    processes. Its batches by length repeat nothing, so the processes may hold different numbers
-    of them: no process waits on another per batch (common/evaluation.py)."""
+def evaluate(model, loader, accelerator, loss_fn):
+    """Accuracy and loss (loss_fn's, the model's loss_of()) over the test split, every document
+    counted once on any number of processes. Its batches by length repeat nothing, so the
+    processes may hold different numbers of them: no process waits on another per batch
+    (common/evaluation.py)."""
     net = evaluation_model(model, accelerator, bucketed=True)
     sums = ExactSums(accelerator, bucketed=True)
     for x, y in loader:
         logits = net(x).float()
-        loss = F.cross_entropy(logits, y, reduction="none")  # ADAPT: your loss and metric
+        loss = loss_fn(logits, y, reduction="none")  # ADAPT: your metric
         loss, correct = sums.each_sample(loss, logits.argmax(1) == y)
         sums.add(loss=loss, correct=correct)
     totals = sums.totals()
@@ -391,12 +393,12 @@ def evaluate(model, loader, accelerator):
     }
 
 
-def evaluate_with_average(model, ema, loader, accelerator):
+def evaluate_with_average(model, ema, loader, accelerator, loss_fn):
     """evaluate() of the model, and with ema (ema_decay) of the weights' moving average too, as
     ema_accuracy, ema_eval_loss, ..."""
-    result = evaluate(model, loader, accelerator)
+    result = evaluate(model, loader, accelerator, loss_fn)
     if ema is not None:
-        averaged = evaluate(ema.synced(accelerator), loader, accelerator)
+        averaged = evaluate(ema.synced(accelerator), loader, accelerator, loss_fn)
         result.update({f"ema_{k}": v for k, v in averaged.items()})
     return result
 
@@ -483,7 +485,7 @@ def main(cfg):
         if progress.interrupted:
             break
         reset_peak_memory(accelerator.device)  # eval_peak_memory_mb: evaluation's own peak
-        result = evaluate_with_average(model, ema, test_loader, accelerator)
+        result = evaluate_with_average(model, ema, test_loader, accelerator, loss_of(cfg.model))
         eval_peak = peak_memory_mb(accelerator.device)
         if progress.end_epoch(len(train_loader)):  # complete: max_steps can stop an epoch early
             save_best(  # best.safetensors, if this is the best evaluation so far
@@ -505,7 +507,7 @@ def main(cfg):
         accelerator.print(progress.why_stopped)
     if not progress.interrupted:
         if result is None:  # eval_only, or a resumed run that had nothing left to train
-            result = evaluate_with_average(model, ema, test_loader, accelerator)
+            result = evaluate_with_average(model, ema, test_loader, accelerator, loss_of(cfg.model))
             metrics.write(
                 epoch=None, step=progress.step, weights=str(cfg.weights or checkpoint), **result
             )

@@ -1,11 +1,13 @@
 """The text recipe's models and input, which recipes/text.py builds from its Config; a copy with
 its own model changes this file.
 
-Bag, the default: a linear model of TF-IDF's features, scaled as NBSVM scales them (Wang and
-Manning 2012, "Baselines and Bigrams"), trained as fastText trains its bag (Joulin et al. 2017):
-each word 1-2 gram of a document once, weighted by (1 + ln count) x idf, its weights scaled to
-unit length; a class's logit is the sum of the n-grams' weights for that class, each times the
-n-gram's naive-Bayes log-count ratio for the class. It reads the words tokenizer's ids.
+Bag, the default: NBSVM (Wang and Manning 2012, "Baselines and Bigrams"), a linear SVM of
+TF-IDF's features scaled by naive-Bayes ratios, trained by the recipe's loop as fastText trains
+its bag (Joulin et al. 2017): each word 1-2 gram of a document once, weighted by (1 + ln count) x
+idf, its weights scaled to unit length; a class's score is the sum of the n-grams' weights for
+that class, each times the n-gram's naive-Bayes log-count ratio for the class; the loss is the
+linear SVM's (squared hinge, each class against the rest: squared_hinge()). It reads the words
+tokenizer's ids.
 
 ByteCNN: an embedding of each token, two convolutions with a max pool between them, and the
 maximum of each channel over the document's positions.
@@ -47,6 +49,8 @@ TOKENIZERS = ("auto", "words", "bytes", "bpe")  # auto: words for the bag, else 
 # lr 0 takes the model's: the bag's and the CNN's measured (docs/text.md); the pretrained
 # encoder's the usual rate for fine-tuning one.
 LEARNING_RATES = {"bag": 3e-2, "cnn": 2e-3, "transformer": 2e-3, "pretrained": 5e-5}
+# The bag's loss is a linear SVM's, the others' cross-entropy (loss_of); its outputs are scores.
+SCORES = ("bag",)
 SUBWORDS = 8000  # bpe with vocab_size 0
 MOST_GRAMS = 1_000_000  # words with vocab_size 0: the n-grams of 2 training documents or more
 # The words tokenizer's ids: an n-gram's number x COUNTS + its count in the document (at most
@@ -116,6 +120,23 @@ def learning_rate(cfg):
     return cfg.lr or LEARNING_RATES[cfg.model]
 
 
+# ADAPT: your loss: (logits [N, classes], labels [N], reduction) -> the loss, as F.cross_entropy.
+def loss_of(model):
+    """The loss that trains `model` (a Config's model name) and that evaluation reports: the
+    bag's squared_hinge, else cross-entropy."""
+    return squared_hinge if model in SCORES else F.cross_entropy
+
+
+def squared_hinge(scores, labels, reduction="mean"):
+    """A linear SVM's loss (scikit-learn's LinearSVC), each class against the rest: for each
+    document the sum over the classes of max(0, 1 - t x score)^2, t +1 for its class and -1 for
+    the others. No push on a document whose scores are past the margin: measured against
+    cross-entropy on the manual pages and the Python sources (docs/text.md), a point better."""
+    t = F.one_hot(labels, scores.shape[1]).to(scores.dtype) * 2 - 1
+    loss = (1 - t * scores).clamp(min=0).pow(2).sum(1)
+    return loss.mean() if reduction == "mean" else loss
+
+
 def build_model(settings, num_classes, tokenizer, encoder=None):
     """The model that `settings` (MODEL_SETTINGS) describe, with an output per class, reading
     what `tokenizer` makes. encoder: a pretrained encoder's configuration (JSON,
@@ -150,9 +171,10 @@ class Bag(nn.Module):
     """Each n-gram of a document (the words tokenizer's ids) weighted by (1 + ln count) x idf, the
     weights scaled to unit length (L2), as TF-IDF weighs them. Each n-gram has a weight for each
     class (a table, starting at 0), which its log-count ratio for the class scales (fixed, from
-    the training split's counts: see Tokenizer.log_count_ratios); a class's logit is the sum of
-    the scaled weights times the n-grams' TF-IDF weights, plus a bias. The scale is NBSVM's:
-    an n-gram that the naive-Bayes counts call telling for a class moves its logit by more.
+    the training split's counts: see Tokenizer.log_count_ratios); a class's score is the sum of
+    the scaled weights times the n-grams' TF-IDF weights, plus a bias, trained by squared_hinge
+    (a score, not a logit of cross-entropy: predict writes it as it is). The scale is NBSVM's:
+    an n-gram that the naive-Bayes counts call telling for a class moves its score by more.
     Padding weighs 0 (its idf and ratio are 0). Its cost grows with the document's distinct
     n-grams, not its length."""
 
@@ -169,7 +191,7 @@ class Bag(nn.Module):
         w = (1 + torch.log(counts.clamp(min=1).float())) * self.idf[grams]  # [N, L]
         w = w / w.norm(dim=1, keepdim=True).clamp(min=1e-12)
         scaled = self.embed(grams) * self.ratios[grams]  # [N, L, classes]
-        return (scaled * w[..., None]).sum(1) + self.bias  # logits
+        return (scaled * w[..., None]).sum(1) + self.bias  # scores
 
     def parameter_groups(self):
         """For LazyAdamW: the n-grams' table lazy (a row moves in the steps that see it)."""
@@ -369,9 +391,9 @@ class Tokenizer:
         if vocabulary is not None:  # words: {"documents": N, "grams": [...], "class_df": [...]}
             self.json = json.dumps(vocabulary)
             require(
-                "class_df" in vocabulary,
+                vocabulary.get("words") == WORDS,
                 "this bag was trained by an earlier version of the recipe (its vocabulary has "
-                "no counts by class): train it again",
+                "other words or no counts by class): train it again",
             )
             self.documents, self.class_df = vocabulary["documents"], vocabulary["class_df"]
             self.df = [sum(counts) for counts in zip(*self.class_df)]  # documents of all classes
@@ -422,6 +444,7 @@ class Tokenizer:
             kept = sorted((g for g, n in df.items() if n >= 2), key=lambda g: (-df[g], g))
             kept = kept[: settings["vocab_size"] or MOST_GRAMS]
             vocabulary = {
+                "words": WORDS,  # what grams() makes: a vocabulary of other words stops
                 "documents": len(texts),
                 "grams": [g.decode("latin-1") for g in kept],  # JSON holds text: a char a byte
                 "class_df": [[c[g] for g in kept] for c in by_class],  # [classes][n-grams]
@@ -503,13 +526,19 @@ class Tokenizer:
 
 
 # Words: runs of letters and digits (with ' _ . - inside), and each other byte but white space.
+# A word with ' _ . - inside is also its parts: np.linalg.norm is np, linalg and norm too.
 WORD = re.compile(rb"[a-z0-9]+(?:['_.-][a-z0-9]+)*|[^\sa-z0-9]")
+PART = re.compile(rb"[a-z0-9]+")
+WORDS = "words, their parts, 2-grams of words"  # the vocabulary's record of what grams() makes
 
 
 def grams(text):
-    """The word 1-grams and 2-grams of a document (bytes), lower-cased (ASCII), in order."""
+    """The word 1-grams and 2-grams of a document (bytes), lower-cased (ASCII), in order, then
+    the parts of the words that have parts, as 1-grams: a rare name in code still shares its
+    parts with the names of the training split."""
     words = WORD.findall(text.lower())
-    return words + [a + b" " + b for a, b in zip(words, words[1:])]
+    parts = [p for w in words if len(w) > 1 and not w.isalnum() for p in PART.findall(w)]
+    return words + [a + b" " + b for a, b in zip(words, words[1:])] + parts
 
 
 def _package(name, purpose):

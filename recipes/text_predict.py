@@ -48,6 +48,7 @@ from text import (  # ADAPT: your recipe (its model and data come with it)
     Tokenizer,
     build_model,
     list_documents,
+    loss_of,
     read_trained,
 )
 
@@ -55,7 +56,7 @@ from text import (  # ADAPT: your recipe (its model and data come with it)
 @dataclass
 class ServingConfig(Config):
     # Predict (text_predict.py "mail/*.txt" --weights FILE): a CSV row per file.
-    top_k: int = 1  # the most likely classes per file, each with its probability
+    top_k: int = 1  # the most likely classes per file, each with its probability (bag: score)
     predict_csv: str = ""  # where the CSV goes; empty: predictions.csv beside the weights
 
     def validate(self):
@@ -103,10 +104,13 @@ def predict_files(pattern):
 
 def predict(cfg, accelerator):
     """A CSV row per file of the --predict glob, in sorted order: the file, the names of its
-    top_k classes and their probabilities. Each process does a share of the files, read as bytes
+    top_k classes and their probabilities, or the bag's scores (a linear SVM's, trained by
+    squared_hinge: not probabilities). Each process does a share of the files, read as bytes
     and cut as in training, in batches of similar lengths (eval_batch_size files at most)."""
     model, record, tokenizer = trained_model(cfg.weights, accelerator.device)
     classes = record["classes"]
+    # Cross-entropy's logits give probabilities (softmax); the bag's SVM scores stay scores.
+    scores = loss_of(record["model"]["model"]) is not F.cross_entropy
     if cfg.top_k > len(classes):
         raise UserError(f"top_k {cfg.top_k} is more than the model's {len(classes)} classes")
     files = predict_files(cfg.predict)  # every process lists them all
@@ -122,15 +126,18 @@ def predict(cfg, accelerator):
             batch = by_length[start : start + cfg.eval_batch_size].tolist()
             x, _ = documents.__getitems__(batch)
             with torch.inference_mode(), accelerator.autocast():
-                probabilities = F.softmax(model(x.to(accelerator.device)).float(), dim=1)
-            top = probabilities.topk(cfg.top_k, dim=1)  # sorted, most likely first
+                outputs = model(x.to(accelerator.device)).float()
+            if not scores:
+                outputs = F.softmax(outputs, dim=1)
+            top = outputs.topk(cfg.top_k, dim=1)  # sorted, most likely first
             for i, labels, chances in zip(batch, top.indices.tolist(), top.values.tolist()):
                 row = [share[i]]
                 for label, p in zip(labels, chances):
                     row += [classes[label], f"{p:.6f}"]
                 rows[i] = row
-    header = ["file", "label", "probability"]
-    header += [f"{c}_{i}" for i in range(2, cfg.top_k + 1) for c in ("label", "probability")]
+    what = "score" if scores else "probability"
+    header = ["file", "label", what]
+    header += [f"{c}_{i}" for i in range(2, cfg.top_k + 1) for c in ("label", what)]
     path = cfg.predict_csv or Path(cfg.weights).parent / "predictions.csv"  # beside the weights
     ordered = [rows[i] for i in sorted(rows)]  # this process's files, in their sorted order
     count = write_csv(accelerator, ordered, path, header=header)  # gathered in order, written once

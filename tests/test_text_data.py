@@ -11,6 +11,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from recipe_module import load_recipe
 from text_corpus import write_corpus
 
@@ -18,7 +19,16 @@ from common.config import ConfigError, UserError, parse_config
 from common.data import DataError
 from common.text.data import Documents, TokenSet, check_splits, content_split
 from text_data import list_documents
-from text_model import COUNTS, PAD_MULTIPLE, LazyAdamW, Tokenizer, build_model
+from text_model import (
+    COUNTS,
+    PAD_MULTIPLE,
+    LazyAdamW,
+    Tokenizer,
+    build_model,
+    grams,
+    loss_of,
+    squared_hinge,
+)
 
 
 @pytest.fixture(scope="module")
@@ -229,9 +239,25 @@ def test_the_bags_ratios_are_naive_bayes_log_count_ratios_of_each_class():
     again = Tokenizer.from_record(tokenizer.record(), 0)  # as the weights file rebuilds it
     assert torch.equal(again.log_count_ratios(3), ratios)
     vocabulary = json.loads(tokenizer.record()["json"])
-    del vocabulary["class_df"]  # a weights file of the bag before the ratios
+    del vocabulary["words"]  # a weights file of the bag before the parts of words
     with pytest.raises(UserError, match="^this bag was trained by an earlier version .* again$"):
         Tokenizer.from_record({"kind": "words", "json": json.dumps(vocabulary)}, 0)
+
+
+def test_the_bag_learns_by_a_linear_svms_loss_from_words_and_their_parts():
+    # LinearSVC's squared hinge, each class against the rest, by hand; cross-entropy elsewhere.
+    scores, labels = torch.tensor([[2.0, 0.5, -0.2], [0.3, -3.0, 0.9]]), torch.tensor([0, 2])
+    by_hand = [0 + 1.5**2 + 0.8**2, 1.3**2 + 0 + 0.1**2]
+    each = squared_hinge(scores, labels, reduction="none")
+    assert torch.allclose(each, torch.tensor(by_hand)), each
+    assert torch.isclose(squared_hinge(scores, labels), torch.tensor(by_hand).mean())
+    assert loss_of("bag") is squared_hinge and loss_of("cnn") is F.cross_entropy
+    # A word with ' _ . - inside is also its parts, as 1-grams, after the 1-2 grams.
+    assert grams(b"x = np.linalg.norm(v)") == [
+        *(b"x", b"=", b"np.linalg.norm", b"(", b"v", b")"),
+        *(b"x =", b"= np.linalg.norm", b"np.linalg.norm (", b"( v", b"v )"),
+        *(b"np", b"linalg", b"norm"),
+    ]
 
 
 def test_lazy_adamw_is_adamw_and_on_an_embedding_sparse_adam():

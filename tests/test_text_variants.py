@@ -172,7 +172,9 @@ def test_export_to_onnx_and_predict_from_it_on_two_processes(model, text_corpus,
         res = launch(args, nproc=nproc)
         assert_ok(res)
         with open(path, newline="") as f:
-            predictions[source.suffix] = list(csv.reader(f))[1:]
+            header, *predictions[source.suffix] = list(csv.reader(f))
+        # The bag's outputs are a linear SVM's scores (squared_hinge), the others' logits.
+        assert header == ["file", "label", "score" if model == "bag" else "probability"]
     torch_rows, onnx_rows = predictions[".safetensors"], predictions[".onnx"]
     assert len(torch_rows) == N_TEST and [r[0] for r in torch_rows] == sorted(
         r[0] for r in torch_rows

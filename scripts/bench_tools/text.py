@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
 
@@ -112,7 +111,7 @@ def bench_text(args, accelerator):
 
     def step(model, optimizer, scheduler, x, y):
         """The recipe's training step with nothing around it."""
-        loss = F.cross_entropy(model(x), y)
+        loss = text.loss_of(cfg.model)(model(x), y)
         accelerator.backward(loss)
         if cfg.grad_clip:
             accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -202,7 +201,8 @@ def bench_text(args, accelerator):
         """Each variant's test accuracy (the recipe's evaluate()) and padding share."""
         figures = {}
         for name, model in models.items():
-            accuracy = text.evaluate(model, test_loader, accelerator)["accuracy"]
+            result = text.evaluate(model, test_loader, accelerator, text.loss_of(cfg.model))
+            accuracy = result["accuracy"]
             tokens = results[name]["median_samples_per_s"]
             figures[name] = {"accuracy": accuracy, "padding": round(padding[name], 4)}
             figures[name]["real_tokens_per_s_median"] = tokens
