@@ -33,7 +33,7 @@ demo-unet: $(BIN)/.installed data/shapes  ## train a small U-Net on the generate
 		recipes/unet.py --dataset data/shapes --base_channels 16 --lr 3e-3 --epochs 6 --output_dir $(UNET_DEMO_OUT)
 
 # Not in `make demo`: its data needs npm once.
-demo-text: $(BIN)/.installed data/spam  ## train the text recipe on data/spam at its defaults, on the CPU (about 15 s)
+demo-text: $(BIN)/.installed data/spam  ## train the text recipe on data/spam at its defaults, on the CPU (about 45 s)
 	rm -rf runs/text-demo
 	$(BIN)/accelerate launch -q --config_file accelerate_configs/cpu.yaml --num_cpu_threads_per_process 1 \
 		recipes/text.py --output_dir runs/text-demo
