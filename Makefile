@@ -90,6 +90,11 @@ data/manpages: scripts/make_manpages.py | $(BIN)/.installed  ## 1,996 manual pag
 data/pysources: scripts/make_pysources.py | $(BIN)/.installed  ## 2,100 Python files of 7 installed libraries as <library>/*.py (40 MB)
 	$(BIN)/python scripts/make_pysources.py --out $@
 
+# Translations of the installed programs' messages (/usr/share/locale), a folder per language:
+# short texts in nine languages, among them close pairs, for the text recipe's --tokenizer chars.
+data/messages: scripts/make_messages.py | $(BIN)/.installed  ## 7,200 short messages in 9 languages as <language>/*.txt (language identification)
+	$(BIN)/python scripts/make_messages.py --out $@
+
 demo-ddp: $(BIN)/.installed  ## the MNIST demo with 2 processes (2 GPUs, or 2 CPU processes over gloo)
 	rm -rf $(DEMO_OUT)-ddp
 	$(BIN)/accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/mnist.py \
