@@ -95,7 +95,7 @@ class Config(RunConfig):
     output_dir: str = f"runs/{NAME}"  # config.yaml, metrics.jsonl, weights, checkpoints/
     # Input and model (text_model.py); the weights file records them, predict rebuilds them.
     model: str = "bag"  # bag: word n-grams; cnn: ByteCNN; transformer; pretrained (docs/text.md)
-    tokenizer: str = "auto"  # auto: words for the bag, bytes for cnn and transformer; or bpe
+    tokenizer: str = "auto"  # auto: words (bag) or bytes; chars: words, their 2-4 byte grams; bpe
     vocab_size: int = 0  # words: n-grams at most (0: 1,000,000); bpe: subwords (0: 8,000)
     max_length: int = 8192  # of each document its first bytes (tokens, for bpe); 0: whole
     pretrained: str = ""  # model pretrained: a Hugging Face encoder, hub name or folder

@@ -175,8 +175,9 @@ def test_a_document_longer_than_a_batch_holds_is_one_line(text, tmp_path):
 def test_settings_that_cannot_work_are_refused(text):
     for args, message in [
         (["--model", "rnn"], "model must be bag or cnn or transformer"),
-        (["--tokenizer", "bytes"], "model bag reads word n-grams: use --tokenizer words or auto"),
+        (["--tokenizer", "bytes"], "model bag reads word n-grams: use --tokenizer words, chars"),
         (["--model", "cnn", "--tokenizer", "words"], "model cnn reads bytes or bpe subwords"),
+        (["--model", "cnn", "--tokenizer", "chars"], "model cnn reads bytes or bpe subwords"),
         (["--model", "transformer", "--max_length", 0], "attends over every pair"),
         (["--global_batch_size", 64, "--max_batch_tokens", 4096], "set one"),
         (["--global_batch_size", 0, "--batch_size", 1], "batch_size must be at least 2"),
@@ -258,6 +259,29 @@ def test_the_bag_learns_by_a_linear_svms_loss_from_words_and_their_parts():
         *(b"x =", b"= np.linalg.norm", b"np.linalg.norm (", b"( v", b"v )"),
         *(b"np", b"linalg", b"norm"),
     ]
+
+
+def test_chars_adds_the_byte_grams_of_each_word_that_an_unseen_word_shares():
+    # After the words' grams: each distinct word of 2 bytes or more within < and >, its byte
+    # 2-4 grams, each marked by #, so that none is a word's.
+    assert grams(b"ab c ab", chars=True) == [
+        *(b"ab", b"c", b"ab", b"ab c", b"c ab"),
+        *(b"#<a", b"#ab", b"#b>", b"#<ab", b"#ab>", b"#<ab>"),
+    ]
+    settings = {"model": "bag", "tokenizer": "chars", "vocab_size": 0, "max_length": 0}
+    texts = [b"Katze und Hund", b"die Katze", b"le chat et le chien", b"un chat"]
+    tokenizer = Tokenizer.trained(settings, texts, [0, 0, 1, 1], 2)
+    assert tokenizer.kind == "chars" and b"katze" in tokenizer.index and b"#atz" in tokenizer.index
+    [ids] = tokenizer.encode([b"Katzen"])  # a word of no training document
+    known = {g for g, i in tokenizer.index.items() if i in set(ids // COUNTS)}
+    assert known == {  # those of katze (2 documents), and n> of chien and un
+        *(b"#<k", b"#ka", b"#at", b"#tz", b"#ze", b"#n>"),
+        *(b"#<ka", b"#kat", b"#atz", b"#tze", b"#<kat", b"#katz", b"#atze"),
+    }
+    words = Tokenizer.trained({**settings, "tokenizer": "words"}, texts, [0, 0, 1, 1], 2)
+    assert words.encode([b"Katzen"])[0].size == 0  # words alone know nothing of it
+    again = Tokenizer.from_record(tokenizer.record(), 0)  # as the weights file rebuilds it
+    assert again.kind == "chars" and again.encode([b"Katzen"])[0].tolist() == ids.tolist()
 
 
 def test_lazy_adamw_is_adamw_and_on_an_embedding_sparse_adam():

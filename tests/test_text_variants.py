@@ -1,12 +1,15 @@
 """The text recipe's variants (the slow tier): a global batch that resumes mid-epoch on another
 process count with the same steps; evaluation that gives the same figures on 1 and 2 processes;
 torchrun and bf16; the moving average and a tracker; export to ONNX and predict from it, on 2
-processes too; the data check; a copy of the recipe as it is, on 1 process; memorising a batch."""
+processes too; the data check; a copy of the recipe as it is, on 1 process; memorising a batch;
+bpe and chars, the words' byte grams."""
 
 import csv
 import shutil
 import subprocess
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import BIN, assert_ok, error_lines, launch, read_metrics, stopped_at
@@ -273,6 +276,42 @@ def test_bpe_subwords_are_kept_in_the_checkpoint_and_the_weights(text_corpus, tm
         launcher="python",
     )
     assert_ok(predicted)
+
+
+def test_chars_learns_words_that_training_never_had_by_their_endings(tmp_path):
+    # Two classes of words that end in -ung and in -tion, each word made up for one document:
+    # no test word is a training word, so words alone are at chance (1 of 2; checked); with
+    # their byte grams (--tokenizer chars) the bag learns the endings. Predict reads them back.
+    rng = np.random.default_rng(0)
+    letters = np.array(list("bcdfghklmnprstvwz"))
+    for label, ending in (("de", "ung"), ("fr", "tion")):
+        (tmp_path / "docs" / label).mkdir(parents=True)
+        for i in range(100):
+            words = ["".join(rng.choice(letters, 5)) + ending for _ in range(6)]
+            (tmp_path / "docs" / label / f"{i}.txt").write_text(" ".join(words))
+    out = tmp_path / "out"
+    args = [RECIPE, "--dataset", tmp_path / "docs", "--output_dir", out, "--tokenizer", "chars"]
+    res = launch(args, launcher="python", env=ONE_THREAD)
+    assert_ok(res)
+    assert "on word 1-2 grams and their byte 2-4 grams" in res.output, res
+    assert read_metrics(out)[-1]["accuracy"] == 1.0, read_metrics(out)[-1]
+    with open(out / "test_documents.csv", newline="") as f:
+        truth = {row["document"]: row["label"] for row in csv.DictReader(f)}
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    for document in truth:
+        shutil.copy(document, listed / f"{Path(document).parent.name}-{Path(document).name}")
+    predicted = launch(
+        [SERVING, "--weights", out / "model.safetensors", listed / "*.txt"]
+        + ["--predict_csv", tmp_path / "p.csv"],
+        launcher="python",
+    )
+    assert_ok(predicted)
+    with open(tmp_path / "p.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(truth) and all(
+        r["label"] == Path(r["file"]).name.split("-")[0] for r in rows
+    ), rows
 
 
 def test_a_pretrained_encoder_by_folder_trains_predicts_and_exports_without_it(
