@@ -200,9 +200,9 @@ def test_the_unet_bench_builds_the_schedule_the_recipe_names():
 
 @pytest.mark.slow
 def test_the_text_bench_holds_the_recipe_against_tfidf_on_the_same_split(text_corpus, tmp_path):
-    # What a user would run instead: TF-IDF + a linear SVM or a logistic regression on the
-    # documents of the recipe's own split, beside the recipe and the padded loop, with the
-    # seconds each took.
+    # What a user would run instead: TF-IDF of words (or of characters) + a linear SVM or a
+    # logistic regression on the documents of the recipe's own split, beside the recipe and the
+    # padded loop, with the seconds each took.
     out = tmp_path / "text.json"
     args = ["scripts/bench.py", "--recipe", "text", "--dataset", text_corpus, "--reps", 1]
     args += ["--warmup", 0, "--startup_runs", 0, "--threads", 1, "--json", out]
@@ -210,8 +210,12 @@ def test_the_text_bench_holds_the_recipe_against_tfidf_on_the_same_split(text_co
     assert_ok(res)
     report = json.loads(out.read_text())
     assert set(report["per_variant"]) == {"recipe", "bound", "classic"}
-    for name, words in (("tfidf_linear_svm", "linear SVM"), ("tfidf_logistic", "logistic")):
+    for name, words in (
+        ("tfidf_linear_svm", "word 1-2 grams + linear SVM"),
+        ("tfidf_logistic", "word 1-2 grams + logistic"),
+        ("tfidf_chars_linear_svm", "char 1-4 grams in words + linear SVM"),
+    ):
         baseline = report[name]
         assert baseline["accuracy"] > 0.8 and baseline["seconds"] >= 0  # the classes' own words
-        line = f"TF-IDF word 1-2 grams + {words}: test accuracy {baseline['accuracy']:.4f}"
+        line = f"TF-IDF {words}: test accuracy {baseline['accuracy']:.4f}"
         assert line in res.output and line in out.with_suffix(".md").read_text()

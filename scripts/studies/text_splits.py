@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO / "scripts"), str(REPO)]
 from bench_tools import load_recipe  # noqa: E402
-from bench_tools.text import linear_baselines  # noqa: E402
+from bench_tools.text import BASELINES, linear_baselines  # noqa: E402
 
 from common.config import parse_config  # noqa: E402
 
@@ -71,7 +71,7 @@ def main():
     if args.folds < 2 or Path(args.workdir).exists():
         raise SystemExit("error: --folds must be 2 or more and --workdir a folder not there yet")
     text = load_recipe("text")
-    found = {"recipe": [], "tfidf_linear_svm": [], "tfidf_logistic": []}
+    found = {"recipe": [], **{name: [] for name in BASELINES}}
     for i, root in enumerate(write_splits(args.dataset, args.workdir, args.folds)):
         found["recipe"].append(recipe_accuracy(root, args.flags))
         cfg = parse_config(text.Config, ["--dataset", str(root), *args.flags])  # the same cut
