@@ -140,7 +140,7 @@ bench: $(BIN)/.installed data/shapes  ## MNIST, its fast preset and U-Net: recip
 
 # Whole epochs of data/spam, one thread: the recipe, its compute bound and the classic padded loop
 # take turns, and after 3 epochs each their test accuracies compare at the same budget.
-bench-text: $(BIN)/.installed data/spam  ## text on data/spam: batches by length vs the padded loop and TF-IDF, tokens/s, padding, accuracy (~1 min)
+bench-text: $(BIN)/.installed data/spam  ## text on data/spam: batches by length vs the padded loop and TF-IDF, tokens/s, padding, accuracy (~3 min)
 	OMP_NUM_THREADS=1 $(BIN)/python scripts/bench.py --recipe text --threads 1 $(BENCH_ARGS)
 
 bench-startup: $(BIN)/.installed  ## U-Net start-up against 500, 4,000 and 20,000 image/mask pairs (~2 min)
